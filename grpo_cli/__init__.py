@@ -1,0 +1,7 @@
+"""grpo-cli: offline diagnostics for GRPO/PPO rollout dumps."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]

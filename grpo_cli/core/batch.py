@@ -1,0 +1,105 @@
+"""The packed batch every reader produces and every metric consumes.
+
+A :class:`TokenBatch` holds a block of whole sequences as flat per-token tensors plus ``cu_seqlens``. Per-token
+columns that the dump does not have are ``None`` (never zeros). :meth:`TokenBatch.valid` compacts the batch to the
+tokens that enter the loss (``loss_mask == 1``), which is what almost every figure is computed over; compacting once
+means masked positions can hold any garbage (even NaN) without reaching a figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+from torch import Tensor
+
+from grpo_cli.core.packing import cu_seqlens_from_lengths, segment_ids, segment_sum
+
+__all__ = ["PER_SEQUENCE_COLUMNS", "PER_TOKEN_COLUMNS", "TokenBatch"]
+
+PER_TOKEN_COLUMNS = ("new_logp", "old_logp", "prox_logp", "ref_logp", "entropy", "versions", "advantages")
+PER_SEQUENCE_COLUMNS = ("rewards", "current_version", "step", "group_id", "seq_id")
+
+
+@dataclass
+class TokenBatch:
+    """Whole sequences, packed.
+
+    Attributes:
+        cu_seqlens: ``[B + 1]`` int64 offsets.
+        new_logp: ``[N]`` log π_θ (float32 or float64).
+        loss_mask: ``[N]`` bool, True where the token enters the loss.
+        old_logp, prox_logp, ref_logp, entropy: ``[N]`` floats or ``None``.
+        versions: ``[N]`` int64 policy version per token (−1 for prompt tokens) or ``None``.
+        advantages: ``[N]`` float per token (per-sequence advantages are broadcast) or ``None``.
+        rewards: ``[B]`` float or ``None``.
+        current_version, step, group_id, seq_id: ``[B]`` int64 or ``None``.
+        file_index: index of the source file in the sorted input list.
+        rows: ``[B]`` int64 row of each sequence in its file (for token-per-row files, its first token's row).
+        positions: ``[N]`` int64 position of each token within its sequence (set on valid views only).
+    """
+
+    cu_seqlens: Tensor
+    new_logp: Tensor
+    loss_mask: Tensor
+    old_logp: Tensor | None = None
+    prox_logp: Tensor | None = None
+    ref_logp: Tensor | None = None
+    entropy: Tensor | None = None
+    versions: Tensor | None = None
+    advantages: Tensor | None = None
+    rewards: Tensor | None = None
+    current_version: Tensor | None = None
+    step: Tensor | None = None
+    group_id: Tensor | None = None
+    seq_id: Tensor | None = None
+    file_index: int = 0
+    rows: Tensor | None = None
+    positions: Tensor | None = field(default=None)
+
+    @property
+    def n_sequences(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def n_tokens(self) -> int:
+        return self.new_logp.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.new_logp.device
+
+    def columns(self) -> frozenset[str]:
+        """Names of the data columns present (not ``None``)."""
+        names = (*PER_TOKEN_COLUMNS, *PER_SEQUENCE_COLUMNS)
+        return frozenset(name for name in names if getattr(self, name) is not None)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> TokenBatch:
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                value = value.to(device, non_blocking=non_blocking)
+            moved[f.name] = value
+        return TokenBatch(**moved)
+
+    def sequence_keys(self) -> Tensor:
+        """``[B, 2]`` int64 (file, row) per sequence: a location independent of batching."""
+        rows = self.rows if self.rows is not None else torch.arange(self.n_sequences, device=self.device)
+        return torch.stack([torch.full_like(rows, self.file_index), rows], dim=1)
+
+    def valid(self) -> TokenBatch:
+        """The batch restricted to loss-mask tokens (sequences kept, possibly empty), with ``positions`` set."""
+        mask = self.loss_mask
+        lengths = segment_sum(mask.to(torch.int64), self.cu_seqlens)
+        token_index = torch.arange(self.n_tokens, device=self.device)
+        starts = self.cu_seqlens[:-1][segment_ids(self.cu_seqlens, self.n_tokens)]
+        compact = {name: getattr(self, name) for name in PER_TOKEN_COLUMNS}
+        compact = {name: (value[mask] if value is not None else None) for name, value in compact.items()}
+        return replace(
+            self,
+            cu_seqlens=cu_seqlens_from_lengths(lengths),
+            loss_mask=torch.ones(int(lengths.sum()), dtype=torch.bool, device=self.device),
+            positions=(token_index - starts)[mask],
+            **compact,
+        )

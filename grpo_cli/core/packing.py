@@ -1,0 +1,115 @@
+"""Packed-token helpers: flat values + ``cu_seqlens`` offsets, and padded ``[B, T]`` conversions.
+
+Every per-token tensor in the core is either *packed* (1-D, ``N`` tokens, with ``cu_seqlens`` of shape
+``[B + 1]`` holding sequence boundaries, ``cu_seqlens[0] == 0`` and ``cu_seqlens[-1] == N``) or *padded*
+(``[B, T]``, one sequence per row). These helpers are pure torch, device-agnostic and allocation-light.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "broadcast_to_tokens",
+    "cu_seqlens_from_lengths",
+    "lengths_from_cu_seqlens",
+    "packed_to_padded",
+    "padded_to_packed",
+    "segment_ids",
+    "segment_max",
+    "segment_min",
+    "segment_sum",
+]
+
+
+def cu_seqlens_from_lengths(lengths: Tensor) -> Tensor:
+    """Cumulative offsets ``[0, l0, l0 + l1, ...]`` as int64.
+
+    Example:
+        >>> cu_seqlens_from_lengths(torch.tensor([2, 0, 3])).tolist()
+        [0, 2, 2, 5]
+    """
+    lengths = lengths.to(torch.int64)
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths, dim=0, out=out[1:])
+    return out
+
+
+def lengths_from_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
+    """Per-sequence lengths (int64) from offsets."""
+    cu = cu_seqlens.to(torch.int64)
+    return cu[1:] - cu[:-1]
+
+
+def segment_ids(cu_seqlens: Tensor, n_tokens: int | None = None) -> Tensor:
+    """Sequence index of every token (int64), e.g. ``[0, 0, 2, 2, 2]`` for lengths ``[2, 0, 3]``."""
+    lengths = lengths_from_cu_seqlens(cu_seqlens)
+    ids = torch.arange(lengths.numel(), device=cu_seqlens.device)
+    total = int(cu_seqlens[-1] - cu_seqlens[0]) if n_tokens is None else n_tokens
+    return torch.repeat_interleave(ids, lengths, output_size=total)
+
+
+def broadcast_to_tokens(per_sequence: Tensor, cu_seqlens: Tensor, n_tokens: int | None = None) -> Tensor:
+    """Repeat one value per sequence over that sequence's tokens."""
+    lengths = lengths_from_cu_seqlens(cu_seqlens)
+    total = int(cu_seqlens[-1] - cu_seqlens[0]) if n_tokens is None else n_tokens
+    return torch.repeat_interleave(per_sequence, lengths, dim=0, output_size=total)
+
+
+def segment_sum(values: Tensor, cu_seqlens: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """Per-sequence sums of packed ``values`` (empty sequences give 0).
+
+    Args:
+        values: ``[N]`` packed values (already neutralised at positions that must not count).
+        cu_seqlens: ``[B + 1]`` offsets.
+        dtype: accumulation dtype (default: ``values.dtype``); pass ``torch.float64`` for exact sums.
+
+    Example:
+        >>> segment_sum(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 2, 2, 3])).tolist()
+        [3.0, 0.0, 3.0]
+    """
+    dtype = values.dtype if dtype is None else dtype
+    n_seq = cu_seqlens.numel() - 1
+    out = torch.zeros(n_seq, dtype=dtype, device=values.device)
+    if values.numel() == 0:
+        return out
+    return out.index_add_(0, segment_ids(cu_seqlens, values.numel()), values.to(dtype))
+
+
+def _segment_extreme(values: Tensor, cu_seqlens: Tensor, reduce: str, fill: float) -> Tensor:
+    n_seq = cu_seqlens.numel() - 1
+    out = torch.full((n_seq,), fill, dtype=values.dtype, device=values.device)
+    if values.numel() == 0:
+        return out
+    return out.scatter_reduce_(0, segment_ids(cu_seqlens, values.numel()), values, reduce=reduce)
+
+
+def segment_max(values: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """Per-sequence maxima; empty sequences give ``-inf``."""
+    return _segment_extreme(values, cu_seqlens, "amax", float("-inf"))
+
+
+def segment_min(values: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """Per-sequence minima; empty sequences give ``+inf``."""
+    return _segment_extreme(values, cu_seqlens, "amin", float("inf"))
+
+
+def padded_to_packed(padded: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """Left-aligned ``[B, T]`` rows → (packed ``[N]`` values, ``cu_seqlens``), taking ``lengths[b]`` per row."""
+    lengths = lengths.to(torch.int64)
+    positions = torch.arange(padded.shape[1], device=padded.device)
+    keep = positions.unsqueeze(0) < lengths.unsqueeze(1)
+    return padded[keep], cu_seqlens_from_lengths(lengths)
+
+
+def packed_to_padded(values: Tensor, cu_seqlens: Tensor, pad_value: float = 0.0) -> Tensor:
+    """Packed ``[N]`` values → left-aligned ``[B, T_max]`` rows filled with ``pad_value``."""
+    lengths = lengths_from_cu_seqlens(cu_seqlens)
+    n_seq = lengths.numel()
+    width = int(lengths.max()) if n_seq else 0
+    out = torch.full((n_seq, width), pad_value, dtype=values.dtype, device=values.device)
+    positions = torch.arange(width, device=values.device)
+    keep = positions.unsqueeze(0) < lengths.unsqueeze(1)
+    out[keep] = values
+    return out

@@ -1,0 +1,258 @@
+"""The GRPOMetric family's figures as a functional core: ``policy_stats_state`` / ``_update`` / ``_compute``.
+
+Inputs are *valid tokens only* (already compacted by the loss mask), packed with ``cu_seqlens``. Definitions follow the
+seed document (twinkle's ``GRPOMetric``), with the corrections grpo-cli makes on purpose (see ``docs/metrics.md``):
+means divide by the tokens that actually had the input, maxima are true maxima over valid tokens, advantage tensors are
+honoured.
+
+With ``d = T·new − T·base`` (``T`` the sampling temperature, rescaling log-probs back to T = 1 as the seed does) and
+``r = exp(d)``:
+
+- ``kl/k3 = mean(exp(d_old) − d_old − 1)``: Schulman's k3 estimator of KL(π_old ‖ π_θ) with samples from π_old.
+- GRPO clipping (token level, gated by the advantage sign, as PPO's clip is only active there):
+  low = [r < 1 − ε ∧ A < 0], high = [r > 1 + ε_high ∧ A > 0].
+- GSPO clipping (sequence level): s = exp(mean_t d) and Ā = mean_t A per non-empty sequence, the same gates.
+- CISPO clipping: low = [r < 1 − ε], high = [r > 1 + ε_high], not gated by A.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grpo_cli.core.packing import lengths_from_cu_seqlens, segment_ids, segment_sum
+from grpo_cli.core.state import MetricState, count, maximum, top_rows, total
+
+__all__ = [
+    "TOP_KL_FIELDS",
+    "policy_stats_compute",
+    "policy_stats_state",
+    "policy_stats_update",
+]
+
+TOP_KL_FIELDS = ("kl", "file", "row", "position", "ratio", "new_logp", "old_logp")
+"""Columns of the ``top_kl`` state table: the KL value ranks; ``file``/``row`` locate the sequence (for the
+stateful metric, ``file`` is 0 and ``row`` the running sequence index); ``position`` is the token index in its row."""
+
+
+def policy_stats_state(top_k: int = 0, device: torch.device | str | None = None) -> MetricState:
+    """An empty state for :func:`policy_stats_update` (counts int64, sums float64)."""
+    specs = {
+        "n_valid": count(),
+        "sum_new": total(),
+        "n_entropy": count(),
+        "sum_entropy": total(),
+        "n_old": count(),
+        "sum_old": total(),
+        "sum_diff": total(),
+        "sum_k3": total(),
+        "max_k3": maximum(),
+        "n_ratio": count(),
+        "max_ratio": maximum(),
+        "n_clip_tokens": count(),
+        "clip_low": count(),
+        "clip_high": count(),
+        "cispo_low": count(),
+        "cispo_high": count(),
+        "n_clip_seqs": count(),
+        "seq_clip_low": count(),
+        "seq_clip_high": count(),
+    }
+    if top_k > 0:
+        specs["top_kl"] = top_rows(top_k, len(TOP_KL_FIELDS))
+    return MetricState(specs, device)
+
+
+def _rescale(logp: Tensor, temperature: float) -> Tensor:
+    # The seed rescales log-probs to T = 1 by multiplying with T (twinkle: "ℓ_f = ℓ·T when T > 0 and T ≠ 1").
+    if temperature > 0 and temperature != 1.0:
+        return logp * temperature
+    return logp
+
+
+def _fsum(x: Tensor) -> Tensor:
+    return x.sum(dtype=torch.float64)
+
+
+def policy_stats_update(
+    state: MetricState,
+    *,
+    new_logp: Tensor,
+    cu_seqlens: Tensor,
+    old_logp: Tensor | None = None,
+    ratio_base_logp: Tensor | None = None,
+    advantages: Tensor | None = None,
+    entropy: Tensor | None = None,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    temperature: float = 1.0,
+    sequence_keys: Tensor | None = None,
+    positions: Tensor | None = None,
+) -> None:
+    """Fold one batch of valid tokens into ``state``.
+
+    Args:
+        state: from :func:`policy_stats_state`.
+        new_logp: ``[N]`` log π_θ of the valid tokens.
+        cu_seqlens: ``[B + 1]`` offsets of the valid tokens' sequences (empty sequences allowed).
+        old_logp: ``[N]`` behaviour log-probs; ``kl/*`` and ``logp/old_mean`` compare against it.
+        ratio_base_logp: ``[N]`` base of the PPO ratio for ``ratio/*`` and ``clip/*`` (default ``old_logp``;
+            ``prox_logp`` for decoupled PPO).
+        advantages: ``[N]`` per-token advantages; clip figures need them.
+        entropy: ``[N]`` token entropies (not temperature-rescaled, as in the seed).
+        epsilon: lower clip width ε.
+        epsilon_high: upper clip width (default ε).
+        temperature: sampling temperature the log-probs were computed at.
+        sequence_keys: ``[B, 2]`` int64 (file, row) per sequence, for ``top_kl`` locations.
+        positions: ``[N]`` token positions within their rows, for ``top_kl`` locations.
+    """
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    new = _rescale(new_logp, temperature)
+    n_valid = new.numel()
+    state.update(n_valid=torch.tensor(n_valid), sum_new=_fsum(new))
+    if entropy is not None:
+        state.update(n_entropy=torch.tensor(entropy.numel()), sum_entropy=_fsum(entropy))
+    if n_valid == 0:
+        return
+
+    if old_logp is not None:
+        old = _rescale(old_logp, temperature)
+        diff = new - old
+        k3 = torch.expm1(diff) - diff  # exp(d) − 1 − d, with expm1 for accuracy near d = 0
+        state.update(
+            n_old=torch.tensor(n_valid),
+            sum_old=_fsum(old),
+            sum_diff=_fsum(diff),
+            sum_k3=_fsum(k3),
+            max_k3=k3.max(),
+        )
+        if "top_kl" in state:
+            _update_top_kl(state, k3, diff, new, old, cu_seqlens, sequence_keys, positions)
+
+    base = old_logp if ratio_base_logp is None else ratio_base_logp
+    if base is None:
+        return
+    log_ratio = new - _rescale(base, temperature)
+    ratio = torch.exp(log_ratio)
+    state.update(n_ratio=torch.tensor(n_valid), max_ratio=ratio.max())
+    # Compare in the log-probs' dtype against bounds rounded to that dtype (spec-decisions: clip boundaries).
+    below, above = ratio < 1 - epsilon, ratio > 1 + eps_high
+    state.update(cispo_low=below.sum(), cispo_high=above.sum())
+    if advantages is None:
+        return
+    state.update(
+        n_clip_tokens=torch.tensor(n_valid),
+        clip_low=(below & (advantages < 0)).sum(),
+        clip_high=(above & (advantages > 0)).sum(),
+    )
+    # GSPO: sequence ratio s = exp(mean_t log r), mean advantage Ā, over non-empty sequences.
+    lengths = lengths_from_cu_seqlens(cu_seqlens)
+    non_empty = lengths > 0
+    n_tok = lengths[non_empty].to(torch.float64)
+    seq_log_ratio = (segment_sum(log_ratio, cu_seqlens, torch.float64)[non_empty] / n_tok).to(ratio.dtype)
+    seq_adv = segment_sum(advantages, cu_seqlens, torch.float64)[non_empty] / n_tok
+    seq_ratio = torch.exp(seq_log_ratio)
+    state.update(
+        n_clip_seqs=non_empty.sum(),
+        seq_clip_low=((seq_ratio < 1 - epsilon) & (seq_adv < 0)).sum(),
+        seq_clip_high=((seq_ratio > 1 + eps_high) & (seq_adv > 0)).sum(),
+    )
+
+
+def _update_top_kl(
+    state: MetricState,
+    k3: Tensor,
+    diff: Tensor,
+    new: Tensor,
+    old: Tensor,
+    cu_seqlens: Tensor,
+    sequence_keys: Tensor | None,
+    positions: Tensor | None,
+) -> None:
+    k = state["top_kl"].shape[0]
+    n = k3.numel()
+    cand = torch.topk(k3, min(k, n)).indices
+    seq = segment_ids(cu_seqlens, n)[cand]
+    if sequence_keys is None:
+        keys = torch.stack([torch.zeros_like(seq), seq], dim=1)
+    else:
+        keys = sequence_keys.to(k3.device)[seq]
+    if positions is None:
+        pos = cand - cu_seqlens.to(cand.device)[seq]
+    else:
+        pos = positions[cand]
+    rows = torch.stack(
+        [
+            k3[cand].to(torch.float64),
+            keys[:, 0].to(torch.float64),
+            keys[:, 1].to(torch.float64),
+            pos.to(torch.float64),
+            torch.exp(diff[cand]).to(torch.float64),
+            new[cand].to(torch.float64),
+            old[cand].to(torch.float64),
+        ],
+        dim=1,
+    )
+    state.update(top_kl=rows)
+
+
+def _ratio(num: Tensor, den: Tensor) -> float:
+    return float(num.to(torch.float64) / den.to(torch.float64))
+
+
+def policy_stats_compute(state: MetricState) -> dict[str, Any]:
+    """Figures under grpo-cli's canonical keys; keys whose inputs were never seen are absent.
+
+    Returns keys ``n_valid_tokens``, ``logp/new_mean``, ``policy_confidence``, ``entropy/mean``, ``logp/old_mean``,
+    ``logp/diff_mean``, ``kl/k3``, ``kl/k3_token_max``, ``ratio/max``, ``clip/cispo``, ``clip/cispo_low``,
+    ``clip/cispo_high``, ``clip/ratio``, ``clip/low``, ``clip/high``, ``clip/seq_ratio``, ``clip/seq_low``,
+    ``clip/seq_high`` and ``top_kl``, as far as their inputs exist.
+    """
+    s = state
+    out: dict[str, Any] = {"n_valid_tokens": int(s["n_valid"])}
+    if int(s["n_valid"]) > 0:
+        new_mean = _ratio(s["sum_new"], s["n_valid"])
+        out["logp/new_mean"] = new_mean
+        out["policy_confidence"] = math.exp(new_mean)
+    if int(s["n_entropy"]) > 0:
+        out["entropy/mean"] = _ratio(s["sum_entropy"], s["n_entropy"])
+    if int(s["n_old"]) > 0:
+        out["logp/old_mean"] = _ratio(s["sum_old"], s["n_old"])
+        out["logp/diff_mean"] = _ratio(s["sum_diff"], s["n_old"])
+        out["kl/k3"] = _ratio(s["sum_k3"], s["n_old"])
+        out["kl/k3_token_max"] = float(s["max_k3"])
+    if int(s["n_ratio"]) > 0:
+        n = s["n_ratio"]
+        out["ratio/max"] = float(s["max_ratio"])
+        out["clip/cispo_low"] = _ratio(s["cispo_low"], n)
+        out["clip/cispo_high"] = _ratio(s["cispo_high"], n)
+        out["clip/cispo"] = _ratio(s["cispo_low"] + s["cispo_high"], n)
+    if int(s["n_clip_tokens"]) > 0:
+        n = s["n_clip_tokens"]
+        out["clip/low"] = _ratio(s["clip_low"], n)
+        out["clip/high"] = _ratio(s["clip_high"], n)
+        out["clip/ratio"] = _ratio(s["clip_low"] + s["clip_high"], n)
+    if int(s["n_clip_seqs"]) > 0:
+        n = s["n_clip_seqs"]
+        out["clip/seq_low"] = _ratio(s["seq_clip_low"], n)
+        out["clip/seq_high"] = _ratio(s["seq_clip_high"], n)
+        out["clip/seq_ratio"] = _ratio(s["seq_clip_low"] + s["seq_clip_high"], n)
+    if "top_kl" in s and int(s["n_old"]) > 0:
+        out["top_kl"] = top_kl_records(s["top_kl"])
+    return out
+
+
+def top_kl_records(table: Tensor) -> list[dict[str, Any]]:
+    """The filled rows of a ``top_kl`` table as dicts (``file``/``row``/``position`` as ints)."""
+    records = []
+    for row in table.cpu().tolist():
+        if row[0] == -math.inf:
+            continue
+        record: dict[str, Any] = dict(zip(TOP_KL_FIELDS, row))
+        for key in ("file", "row", "position"):
+            record[key] = int(record[key])
+        records.append(record)
+    return records

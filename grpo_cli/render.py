@@ -1,0 +1,163 @@
+"""Every user-facing rendering: Rich tables, strict JSON and CSV. Nothing else prints results.
+
+Environment handling (``NO_COLOR``, not a TTY, terminal width) lives in :func:`make_console` alone.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any, TextIO
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from grpo_cli import __version__
+from grpo_cli.keys import KEYS, SECTIONS, section_of
+
+__all__ = ["JSON_SCHEMA_VERSION", "dumps_json", "json_document", "make_console", "render_table", "to_csv"]
+
+JSON_SCHEMA_VERSION = 1
+
+
+def make_console(*, stderr: bool = False, file: TextIO | None = None, record: bool = False) -> Console:
+    """A console that honours ``NO_COLOR`` and writes plain text when not attached to a terminal."""
+    stream = file if file is not None else (sys.stderr if stderr else sys.stdout)
+    no_color = bool(os.environ.get("NO_COLOR"))
+    is_tty = hasattr(stream, "isatty") and stream.isatty()
+    return Console(
+        file=stream,
+        no_color=no_color or not is_tty,
+        highlight=False,
+        soft_wrap=False,
+        record=record,
+        width=None if is_tty else 120,
+        color_system="auto" if is_tty and not no_color else None,
+    )
+
+
+def _strict(value: Any) -> Any:
+    """Non-finite floats become ``null``: the JSON stays strict (RFC 8259) and nothing pretends to be a number."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
+def json_document(
+    *,
+    command: str,
+    inputs: list[str],
+    config: Mapping[str, Any],
+    metrics: Mapping[str, Any],
+    omitted: Mapping[str, str] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The JSON envelope every command shares (``schema_version`` first)."""
+    doc: dict[str, Any] = {
+        "schema_version": JSON_SCHEMA_VERSION,
+        "tool": {"name": "grpo-cli", "version": __version__, "command": command},
+        "inputs": inputs,
+        "config": dict(config),
+        "metrics": dict(metrics),
+        "omitted": dict(omitted or {}),
+    }
+    if extra:
+        doc.update(extra)
+    return _strict(doc)
+
+
+def dumps_json(document: Mapping[str, Any]) -> str:
+    return json.dumps(document, indent=2, allow_nan=False, ensure_ascii=False) + "\n"
+
+
+def to_csv(metrics: Mapping[str, Any]) -> str:
+    """Long form ``metric,value``; list-valued figures (``top_kl``) are JSON-encoded in their cell."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["metric", "value"])
+    for key, value in _strict(dict(metrics)).items():
+        if isinstance(value, (list, dict)):
+            value = json.dumps(value, allow_nan=False, separators=(",", ":"))
+        writer.writerow([key, "" if value is None else value])
+    return buffer.getvalue()
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        if value == 0:
+            return "0"
+        magnitude = abs(value)
+        if magnitude >= 1e5 or magnitude < 1e-3:
+            return f"{value:.4e}"
+        return f"{value:.6g}"
+    return str(value)
+
+
+def render_table(
+    console: Console,
+    *,
+    title: str,
+    metrics: Mapping[str, Any],
+    omitted: Mapping[str, str],
+    inputs: list[str],
+    config: Mapping[str, Any],
+) -> None:
+    """Figures grouped in sections with one-line meanings, then what was not computed and why."""
+    config_text = ", ".join(f"{k}={format_value(v)}" for k, v in config.items())
+    console.print(Text(f"{title} — {len(inputs)} file(s): {', '.join(inputs[:3])}{' …' if len(inputs) > 3 else ''}"))
+    console.print(Text(f"config: {config_text}", style="dim"))
+    by_section: dict[str, list[str]] = {}
+    for key in metrics:
+        if isinstance(metrics[key], (list, dict)):
+            continue
+        by_section.setdefault(section_of(key), []).append(key)
+    order = list(SECTIONS) + [s for s in by_section if s not in SECTIONS]
+    for section in order:
+        keys = by_section.get(section)
+        if not keys:
+            continue
+        table = Table(title=SECTIONS.get(section, section), title_justify="left", expand=False)
+        table.add_column("metric", style="cyan", no_wrap=True)
+        table.add_column("value", justify="right", no_wrap=True)
+        table.add_column("meaning", style="dim")
+        for key in keys:
+            table.add_row(key, format_value(metrics[key]), KEYS[key].meaning if key in KEYS else "")
+        console.print(table)
+    top = metrics.get("top_kl")
+    if top:
+        table = Table(title="Highest-KL tokens (k3 vs old)", title_justify="left")
+        for column in ("file", "row", "position", "kl", "ratio", "new_logp", "old_logp"):
+            table.add_column(column, justify="right")
+        for record in top:
+            file_index = record["file"]
+            name = os.path.basename(inputs[file_index]) if 0 <= file_index < len(inputs) else str(file_index)
+            table.add_row(
+                name,
+                str(record["row"]),
+                str(record["position"]),
+                *(format_value(record[c]) for c in ("kl", "ratio", "new_logp", "old_logp")),
+            )
+        console.print(table)
+    if omitted:
+        table = Table(title="Not computed", title_justify="left", style="dim")
+        table.add_column("metric", style="dim")
+        table.add_column("why", style="dim")
+        for key, reason in omitted.items():
+            table.add_row(key, reason)
+        console.print(table)
