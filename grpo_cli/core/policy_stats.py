@@ -180,10 +180,7 @@ def _update_top_kl(
         keys = torch.stack([torch.zeros_like(seq), seq], dim=1)
     else:
         keys = sequence_keys.to(k3.device)[seq]
-    if positions is None:
-        pos = cand - cu_seqlens.to(cand.device)[seq]
-    else:
-        pos = positions[cand]
+    pos = cand - cu_seqlens.to(cand.device)[seq] if positions is None else positions[cand]
     rows = torch.stack(
         [
             k3[cand].to(torch.float64),

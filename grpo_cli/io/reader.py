@@ -278,7 +278,12 @@ def _is_int(dtype: pa.DataType) -> bool:
 def _kind_signature(dtype: pa.DataType) -> str:
     """float32 vs float64 (and int widths) may differ across files; list-ness and number kind may not."""
     inner = dtype.value_type if _is_list(dtype) else dtype
-    kind = "float" if _is_float(inner) else "int" if _is_int(inner) else "bool" if pa.types.is_boolean(inner) else str(inner)
+    if _is_float(inner):
+        kind = "float"
+    elif _is_int(inner):
+        kind = "int"
+    else:
+        kind = "bool" if pa.types.is_boolean(inner) else str(inner)
     return f"list<{kind}>" if _is_list(dtype) else kind
 
 
@@ -449,7 +454,7 @@ def _token_batch(
     wanted: set[str],
     seen_ids: set[int],
 ) -> TokenBatch:
-    """Token-per-row data (runs of equal ``seq_id``) → a packed batch; per-sequence columns take each run's first row."""
+    """Token-per-row runs of equal ``seq_id`` → a packed batch; per-sequence columns take each run's first row."""
     first = cu_seqlens[:-1]
     ids = flat["seq_id"][first].tolist()
     for i, seq in enumerate(ids):
