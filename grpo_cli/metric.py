@@ -172,8 +172,11 @@ class GSPOMetric(GRPOMetric):
     """Clip rates at sequence level: s = exp(mean_t (new − old)), gated by the mean advantage; fractions of
     non-empty sequences."""
 
-    _clip_keys: ClassVar[dict[str, str]] = {"clip/seq_ratio": "train/clip_ratio", "clip/seq_low": "train/clip_ratio_low",
-                  "clip/seq_high": "train/clip_ratio_high"}
+    _clip_keys: ClassVar[dict[str, str]] = {
+        "clip/seq_ratio": "train/clip_ratio",
+        "clip/seq_low": "train/clip_ratio_low",
+        "clip/seq_high": "train/clip_ratio_high",
+    }
 
 
 class CISPOMetric(GRPOMetric):
