@@ -174,7 +174,10 @@ def _update_top_kl(
 ) -> None:
     k = state["top_kl"].shape[0]
     n = k3.numel()
-    cand = torch.topk(k3, min(k, n)).indices
+    # Keep every token tied with the k-th value: which of several tied tokens wins must not depend on batching,
+    # so the final choice among ties is made by select_top_rows' (file, row, position) order.
+    kth = torch.topk(k3, min(k, n)).values[-1]
+    cand = torch.nonzero(k3 >= kth).flatten()
     seq = segment_ids(cu_seqlens, n)[cand]
     if sequence_keys is None:
         keys = torch.stack([torch.zeros_like(seq), seq], dim=1)
