@@ -7,7 +7,7 @@ one process, ``--workers`` shards and ``torchrun`` ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -18,8 +18,14 @@ from grpo_cli.core.policy_stats import policy_stats_compute, policy_stats_state,
 from grpo_cli.core.state import MetricState, count
 from grpo_cli.errors import UsageError
 from grpo_cli.io.reader import DEFAULT_BATCH_TOKENS, RolloutDataset, Shard
+from grpo_cli.io.schema import COLUMNS, ColumnKind
+
+GROUP_BY_COLUMNS = tuple(name for name, spec in COLUMNS.items() if spec.kind is ColumnKind.SEQUENCE_INT)
+"""Per-sequence integer columns ``--group-by`` accepts."""
 
 __all__ = [
+    "GROUP_BY_COLUMNS",
+    "Accumulator",
     "AnalysisResult",
     "AnalyzeConfig",
     "MetricGroup",
@@ -40,6 +46,8 @@ class AnalyzeConfig:
     top_k: int = 10
     batch_tokens: int = DEFAULT_BATCH_TOKENS
     device: str = "cpu"
+    group_by: str | None = None
+    max_groups: int = 100_000
 
     def validate(self) -> None:
         if not self.epsilon >= 0:
@@ -52,6 +60,8 @@ class AnalyzeConfig:
             raise UsageError(f"--top-k must be >= 0, got {self.top_k}")
         if self.batch_tokens < 1:
             raise UsageError(f"--batch-tokens must be >= 1, got {self.batch_tokens}")
+        if self.group_by is not None and self.group_by not in GROUP_BY_COLUMNS:
+            raise UsageError(f"--group-by must be one of {', '.join(GROUP_BY_COLUMNS)}, got '{self.group_by}'")
 
     @property
     def eps_high(self) -> float:
@@ -61,6 +71,7 @@ class AnalyzeConfig:
         out = asdict(self)
         out.pop("device")  # where it ran does not change a figure
         out.pop("batch_tokens")
+        out.pop("max_groups")
         out["epsilon_high"] = self.eps_high
         return out
 
@@ -176,6 +187,35 @@ class AnalysisResult:
     inputs: list[str]
     config: dict[str, Any]
     columns: list[str] = field(default_factory=list)
+    groups: list[dict[str, Any]] = field(default_factory=list)
+    """With ``group_by``: ``[{"key": value, "metrics": {...}}, ...]`` in ascending key order."""
+
+
+@dataclass
+class Accumulator:
+    """One state per metric group for the whole dump, and (with ``group_by``) one set per key value."""
+
+    overall: list[MetricState]
+    by_key: dict[int, list[MetricState]] = field(default_factory=dict)
+
+    def merge_(self, other: Accumulator) -> Accumulator:
+        for mine, theirs in zip(self.overall, other.overall):
+            mine.merge_(theirs)
+        for key, states in other.by_key.items():
+            if key in self.by_key:
+                for mine, theirs in zip(self.by_key[key], states):
+                    mine.merge_(theirs)
+            else:
+                self.by_key[key] = [state.clone() for state in states]
+        return self
+
+
+def _update_all(
+    groups: Sequence[MetricGroup], states: list[MetricState], batch: TokenBatch, config: AnalyzeConfig
+) -> None:
+    valid = batch.valid()
+    for group, state in zip(groups, states):
+        group.update(state, batch, valid, config)
 
 
 def accumulate_states(
@@ -185,31 +225,39 @@ def accumulate_states(
     *,
     shards: Sequence[Shard] | None = None,
     progress: Callable[[int], None] | None = None,
-) -> list[MetricState]:
-    """Stream ``shards`` (default: all) once, updating one state per group; returns the states."""
+) -> Accumulator:
+    """Stream ``shards`` (default: all) once, updating one state per metric group (and per ``group_by`` key)."""
     device = torch.device(config.device)
-    states = [group.init_state(config, device) for group in groups]
+    acc = Accumulator([group.init_state(config, device) for group in groups])
     wanted: set[str] = {"loss_mask"}
     for group in groups:
         wanted |= group.columns()
+    if config.group_by is not None:
+        if config.group_by not in dataset.columns:
+            raise UsageError(f"--group-by {config.group_by}: the dump has no '{config.group_by}' column")
+        wanted.add(config.group_by)
     for batch in dataset.iter_batches(columns=wanted, batch_tokens=config.batch_tokens, shards=shards):
         if batch.device != device:
             batch = batch.to(device, non_blocking=True)
-        valid = batch.valid()
-        for group, state in zip(groups, states):
-            group.update(state, batch, valid, config)
+        _update_all(groups, acc.overall, batch, config)
+        if config.group_by is not None:
+            keys = getattr(batch, config.group_by)
+            for key in torch.unique(keys).tolist():
+                if key not in acc.by_key:
+                    if len(acc.by_key) >= config.max_groups:
+                        raise UsageError(
+                            f"--group-by {config.group_by}: more than {config.max_groups} distinct values"
+                        )
+                    acc.by_key[key] = [group.init_state(config, device) for group in groups]
+                _update_all(groups, acc.by_key[key], batch.select_sequences(keys == key), config)
         if progress is not None:
             progress(batch.n_tokens)
-    return states
+    return acc
 
 
-def finalize(
-    dataset: RolloutDataset,
-    config: AnalyzeConfig,
-    groups: Sequence[MetricGroup],
-    states: Iterable[MetricState],
-) -> AnalysisResult:
-    """Compute every group's figures from merged states and collect the omitted keys with reasons."""
+def _figures(
+    dataset: RolloutDataset, config: AnalyzeConfig, groups: Sequence[MetricGroup], states: Sequence[MetricState]
+) -> tuple[dict[str, Any], dict[str, str]]:
     metrics: dict[str, Any] = {}
     omitted: dict[str, str] = {}
     for group, state in zip(groups, states):
@@ -220,12 +268,27 @@ def finalize(
     if metrics.get("n_valid_tokens", 0) == 0:
         omitted.update({k: "no valid tokens (loss_mask is 0 everywhere)" for k in list(metrics) if "/" in k})
         metrics = {k: v for k, v in metrics.items() if "/" not in k}
+    return metrics, omitted
+
+
+def finalize(
+    dataset: RolloutDataset,
+    config: AnalyzeConfig,
+    groups: Sequence[MetricGroup],
+    acc: Accumulator,
+) -> AnalysisResult:
+    """Compute every group's figures from merged states and collect the omitted keys with reasons."""
+    metrics, omitted = _figures(dataset, config, groups, acc.overall)
+    by_key = [
+        {"key": key, "metrics": _figures(dataset, config, groups, acc.by_key[key])[0]} for key in sorted(acc.by_key)
+    ]
     return AnalysisResult(
         metrics=metrics,
         omitted=omitted,
         inputs=[str(p) for p in dataset.files],
         config=config.to_json(),
         columns=sorted(dataset.columns),
+        groups=by_key,
     )
 
 
@@ -239,5 +302,5 @@ def analyze(
     """Run every metric group over the whole dataset in one streaming pass."""
     config.validate()
     groups = default_groups() if groups is None else list(groups)
-    states = accumulate_states(dataset, config, groups, progress=progress)
-    return finalize(dataset, config, groups, states)
+    acc = accumulate_states(dataset, config, groups, progress=progress)
+    return finalize(dataset, config, groups, acc)

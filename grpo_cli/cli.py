@@ -12,12 +12,17 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from grpo_cli import __version__
 from grpo_cli.errors import EXIT_ERROR, GrpoCliError, UsageError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from grpo_cli.analysis import AnalysisResult
 
 app = typer.Typer(
     name="grpo-cli",
@@ -135,6 +140,12 @@ def analyze(
     output_format: FormatOpt = OutputFormat.table,
     output: OutputOpt = None,
     column_map: MapOpt = None,
+    group_by: Annotated[
+        str | None, typer.Option("--group-by", help="Also report every figure per value of this per-sequence column.")
+    ] = None,
+    metric_names: Annotated[
+        str | None, typer.Option("--metrics", help="Comma-separated metrics for the per-group table.")
+    ] = None,
     quiet: QuietOpt = False,
 ) -> None:
     """Every diagnostic of a rollout dump, streamed in one pass."""
@@ -142,7 +153,7 @@ def analyze(
     from grpo_cli.analysis import analyze as run_analysis
     from grpo_cli.io.reader import RolloutDataset
     from grpo_cli.io.schema import parse_column_map
-    from grpo_cli.render import dumps_json, json_document, make_console, render_table, to_csv
+    from grpo_cli.render import json_document, render_group_table, render_table, to_csv
 
     config = AnalyzeConfig(
         epsilon=epsilon,
@@ -151,28 +162,74 @@ def analyze(
         top_k=top_k,
         batch_tokens=batch_tokens,
         device=_check_device(device),
+        group_by=group_by,
     )
     config.validate()
     dataset = RolloutDataset(paths, parse_column_map(column_map))
     with _progress(dataset.n_tokens, quiet) as progress:
         result = run_analysis(dataset, config, progress=progress)
+    selected = _select_metrics(metric_names, result)
+    extra = {"columns": result.columns}
+    if group_by is not None:
+        extra["groups"] = result.groups
+
+    def draw(console: Console) -> None:
+        render_table(console, title="grpo-cli analyze", metrics=result.metrics, omitted=result.omitted,
+                     inputs=result.inputs, config=result.config)
+        if group_by is not None:
+            render_group_table(console, group_by, result.groups, selected)
+
+    _report(
+        output_format,
+        output,
+        document=lambda: json_document(command="analyze", inputs=result.inputs, config=result.config,
+                                       metrics=result.metrics, omitted=result.omitted, extra=extra),
+        csv=lambda: to_csv(result.metrics, groups=result.groups if group_by is not None else None),
+        table=draw,
+    )
+
+
+DEFAULT_GROUP_METRICS = ("n_valid_tokens", "kl/k3", "clip/ratio", "ratio/max", "logp/diff_mean")
+
+
+def _select_metrics(names: str | None, result: AnalysisResult) -> list[str]:
+    """The per-group table's columns: ``--metrics`` (validated) or a default set, as far as reported."""
+    available = set(result.metrics)
+    for group in result.groups:
+        available |= set(group["metrics"])
+    if names is None:
+        return [name for name in DEFAULT_GROUP_METRICS if name in available]
+    chosen = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in available]
+    if unknown:
+        raise UsageError(f"--metrics: not reported for this dump: {', '.join(unknown)} "
+                         f"(available: {', '.join(sorted(available))})")
+    return chosen
+
+
+def _report(
+    output_format: OutputFormat,
+    output: Path | None,
+    *,
+    document: Callable[[], dict[str, Any]],
+    csv: Callable[[], str],
+    table: Callable[[Console], None],
+) -> None:
+    """Render one result in the chosen format to stdout or ``--output`` (every command's last step)."""
+    from grpo_cli.render import dumps_json, make_console
+
     if output_format is OutputFormat.json:
-        doc = json_document(
-            command="analyze", inputs=result.inputs, config=result.config, metrics=result.metrics,
-            omitted=result.omitted, extra={"columns": result.columns},
-        )
-        _emit(dumps_json(doc), output)
+        _emit(dumps_json(document()), output)
     elif output_format is OutputFormat.csv:
-        _emit(to_csv(result.metrics), output)
+        _emit(csv(), output)
+    elif output is None:
+        table(make_console())
     else:
         import io
 
-        buffer = io.StringIO() if output is not None else None
-        console = make_console(file=buffer) if buffer is not None else make_console()
-        render_table(console, title="grpo-cli analyze", metrics=result.metrics, omitted=result.omitted,
-                     inputs=result.inputs, config=result.config)
-        if buffer is not None:
-            _emit(buffer.getvalue(), output)
+        buffer = io.StringIO()
+        table(make_console(file=buffer))
+        _emit(buffer.getvalue(), output)
 
 
 @app.command()

@@ -21,7 +21,15 @@ from rich.text import Text
 from grpo_cli import __version__
 from grpo_cli.keys import KEYS, SECTIONS, section_of
 
-__all__ = ["JSON_SCHEMA_VERSION", "dumps_json", "json_document", "make_console", "render_table", "to_csv"]
+__all__ = [
+    "JSON_SCHEMA_VERSION",
+    "dumps_json",
+    "json_document",
+    "make_console",
+    "render_group_table",
+    "render_table",
+    "to_csv",
+]
 
 JSON_SCHEMA_VERSION = 1
 
@@ -80,16 +88,43 @@ def dumps_json(document: Mapping[str, Any]) -> str:
     return json.dumps(document, indent=2, allow_nan=False, ensure_ascii=False) + "\n"
 
 
-def to_csv(metrics: Mapping[str, Any]) -> str:
-    """Long form ``metric,value``; list-valued figures (``top_kl``) are JSON-encoded in their cell."""
+def to_csv(metrics: Mapping[str, Any], groups: list[dict[str, Any]] | None = None) -> str:
+    """Long form ``metric,value``, or ``group,metric,value`` with groups (the overall figures have group ``all``).
+
+    List-valued figures (``top_kl``) are JSON-encoded in their cell.
+    """
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["metric", "value"])
-    for key, value in _strict(dict(metrics)).items():
-        if isinstance(value, (list, dict)):
-            value = json.dumps(value, allow_nan=False, separators=(",", ":"))
-        writer.writerow([key, "" if value is None else value])
+
+    def rows(values: Mapping[str, Any]) -> list[list[Any]]:
+        out = []
+        for key, value in _strict(dict(values)).items():
+            if isinstance(value, (list, dict)):
+                value = json.dumps(value, allow_nan=False, separators=(",", ":"))
+            out.append([key, "" if value is None else value])
+        return out
+
+    if groups is None:
+        writer.writerow(["metric", "value"])
+        writer.writerows(rows(metrics))
+    else:
+        writer.writerow(["group", "metric", "value"])
+        writer.writerows(["all", *row] for row in rows(metrics))
+        for group in groups:
+            writer.writerows([group["key"], *row] for row in rows(group["metrics"]))
     return buffer.getvalue()
+
+
+def render_group_table(console: Console, group_by: str, groups: list[dict[str, Any]], metrics: list[str]) -> None:
+    """One row per group value (e.g. per step), the chosen metrics as columns."""
+    table = Table(title=f"Per {group_by}", title_justify="left")
+    table.add_column(group_by, justify="right", style="cyan")
+    for name in metrics:
+        table.add_column(name, justify="right")
+    for group in groups:
+        values = group["metrics"]
+        table.add_row(str(group["key"]), *(format_value(values[m]) if m in values else "–" for m in metrics))
+    console.print(table)
 
 
 def format_value(value: Any) -> str:

@@ -88,6 +88,19 @@ class TokenBatch:
         rows = self.rows if self.rows is not None else torch.arange(self.n_sequences, device=self.device)
         return torch.stack([torch.full_like(rows, self.file_index), rows], dim=1)
 
+    def select_sequences(self, keep: Tensor) -> TokenBatch:
+        """The batch restricted to the sequences where ``keep`` (``[B]`` bool) is True."""
+        lengths = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        token_keep = torch.repeat_interleave(keep, lengths, output_size=self.n_tokens)
+        changes: dict[str, Tensor | None] = {}
+        for name in (*PER_TOKEN_COLUMNS, "loss_mask", "positions"):
+            value = getattr(self, name)
+            changes[name] = None if value is None else value[token_keep]
+        for name in (*PER_SEQUENCE_COLUMNS, "rows"):
+            value = getattr(self, name)
+            changes[name] = None if value is None else value[keep]
+        return replace(self, cu_seqlens=cu_seqlens_from_lengths(lengths[keep]), **changes)
+
     def valid(self) -> TokenBatch:
         """The batch restricted to loss-mask tokens (sequences kept, possibly empty), with ``positions`` set."""
         mask = self.loss_mask
