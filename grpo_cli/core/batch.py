@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 from torch import Tensor
 
-from grpo_cli.core.packing import cu_seqlens_from_lengths, segment_ids, segment_sum
+from grpo_cli.core.packing import cu_seqlens_from_lengths, segment_ids
 
 __all__ = ["PER_SEQUENCE_COLUMNS", "PER_TOKEN_COLUMNS", "TokenBatch"]
 
@@ -103,16 +103,16 @@ class TokenBatch:
 
     def valid(self) -> TokenBatch:
         """The batch restricted to loss-mask tokens (sequences kept, possibly empty), with ``positions`` set."""
-        mask = self.loss_mask
-        lengths = segment_sum(mask.to(torch.int64), self.cu_seqlens)
-        token_index = torch.arange(self.n_tokens, device=self.device)
-        starts = self.cu_seqlens[:-1][segment_ids(self.cu_seqlens, self.n_tokens)]
+        seq = segment_ids(self.cu_seqlens, self.n_tokens)
+        # One nonzero() shared by every column: boolean indexing would redo it per column.
+        index = torch.nonzero(self.loss_mask).flatten()
+        lengths = torch.bincount(seq[index], minlength=self.n_sequences)
         compact = {name: getattr(self, name) for name in PER_TOKEN_COLUMNS}
-        compact = {name: (value[mask] if value is not None else None) for name, value in compact.items()}
+        compact = {name: (value[index] if value is not None else None) for name, value in compact.items()}
         return replace(
             self,
             cu_seqlens=cu_seqlens_from_lengths(lengths),
-            loss_mask=torch.ones(int(lengths.sum()), dtype=torch.bool, device=self.device),
-            positions=(token_index - starts)[mask],
+            loss_mask=torch.ones(index.numel(), dtype=torch.bool, device=self.device),
+            positions=index - self.cu_seqlens[:-1][seq[index]],
             **compact,
         )
