@@ -140,8 +140,12 @@ CONTENDERS = {
     "analyze": lambda path, extra: _cli(["analyze", path, "-f", "json", "-o", os.devnull, "-q", *extra]),
     "compare-prox": lambda path, extra: _cli(["compare-prox", path, "-f", "json", "-o", os.devnull, "-q", *extra]),
 }
-IMPORTS = {"decode": ["pyarrow.parquet"], "pandas": ["pandas", "pyarrow.parquet"], "analyze": ["grpo_cli.cli", "grpo_cli.analysis"],
-           "compare-prox": ["grpo_cli.cli", "grpo_cli.analysis"]}
+IMPORTS = {
+    "decode": ["pyarrow.parquet"],
+    "pandas": ["pandas", "pyarrow.parquet"],
+    "analyze": ["grpo_cli.cli", "grpo_cli.analysis"],
+    "compare-prox": ["grpo_cli.cli", "grpo_cli.analysis"],
+}
 
 
 def _child(name: str, path: str, extra: list[str]) -> None:
