@@ -1,0 +1,188 @@
+"""The GRPO-family losses of seed 001 (GRPO, GSPO, SAPO, CISPO, BNPO, Dr.GRPO) as streaming terms.
+
+One core function, :func:`grpo_family_loss_terms`, computes ``(numerator, denominator)`` for a batch of
+packed tokens; the loss is ``Σ numerator / Σ denominator`` over any split of the data into batches of whole
+sequences. The loss objects in :mod:`grpo_cli.loss` call it after aligning twinkle-style inputs.
+Conventions follow twinkle (``shared/reference/twinkle.md`` §2–3) and TRL; see ``docs/losses.md``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from grpo_cli.core._loss_common import (
+    as_bool_mask,
+    check_real,
+    check_same_shape,
+    compute_dtype,
+    flat_layout,
+    masked_sum64,
+    seq_count,
+    seq_ids,
+    seq_sum64,
+)
+from grpo_cli.core.kl import kl_from_log_ratio
+
+__all__ = ["GRPO_VARIANTS", "LOG_RATIO_CLAMP", "grpo_family_loss_terms", "grpo_family_per_token_loss"]
+
+GRPO_VARIANTS: tuple[str, ...] = ("grpo", "gspo", "sapo", "cispo", "bnpo", "dr_grpo")
+# twinkle clamps the token log-ratio to ±20 before exp (and before the GSPO mean); TRL does not clamp.
+LOG_RATIO_CLAMP = 20.0
+_SEQ_MEAN = ("grpo", "gspo", "sapo")
+
+
+def _check_variant(variant: str) -> None:
+    if variant not in GRPO_VARIANTS:
+        raise ValueError(f"Unknown GRPO-family variant '{variant}'; choose one of {GRPO_VARIANTS}")
+
+
+def grpo_family_per_token_loss(
+    variant: str,
+    logp: Tensor,
+    old_logp: Tensor | None,
+    ref_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    cu_seqlens: Tensor | None,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    beta: float = 0.0,
+    tau_pos: float = 1.0,
+    tau_neg: float | None = None,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> Tensor:
+    """Per-token loss ``L_tok`` (flat ``[N]``, working dtype, 0 off the mask) before aggregation.
+
+    - log-ratio ``w = clamp(ℓ − ℓ_old, −20, 20)`` (``ℓ_old = sg(ℓ)`` when ``old_logp`` is None: ratio 1,
+      gradient kept); GSPO replaces it by the sequence mean ``Σ_t w·m / max(1, n)`` on every token.
+    - ``grpo``/``gspo``/``bnpo``/``dr_grpo``: ``−min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A)``.
+    - ``sapo``: ``−σ(τ(r − 1))·4/τ·A`` with ``τ = τ₊`` where ``A > 0`` else ``τ₋``.
+    - ``cispo``: ``−sg(min(r, 1 + ε_high))·A·ℓ`` (upper cap only).
+    - plus ``β·k3`` with ``k3 = exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1`` when ``β > 0`` and ``ref_logp`` is given,
+      minus ``entropy_coef·H`` when ``entropy_coef > 0``.
+    """
+    _check_variant(variant)
+    eps_lo = check_real(clip_low, "clip_low", minimum=0.0)
+    eps_hi = eps_lo if clip_high is None else check_real(clip_high, "clip_high", minimum=0.0)
+    b = check_real(beta, "beta", minimum=0.0)
+    tp = check_real(tau_pos, "tau_pos", minimum=0.0, strict=True)
+    tn = tp if tau_neg is None else check_real(tau_neg, "tau_neg", minimum=0.0, strict=True)
+    ec = check_real(entropy_coef, "entropy_coef", minimum=0.0)
+    if not isinstance(logp, Tensor):
+        raise TypeError(f"logp must be a torch.Tensor, got {type(logp).__name__}")
+    m = as_bool_mask(mask, "mask")
+    check_same_shape("logp", logp, mask=m, old_logp=old_logp, ref_logp=ref_logp, advantages=advantages, entropy=entropy)
+    if ec > 0 and entropy is None:
+        raise ValueError("entropy_coef > 0 needs per-token entropies")
+    cu = flat_layout(logp, cu_seqlens, need_segments=variant == "gspo", what=f"the '{variant}' loss")
+    cd = compute_dtype(logp.dtype)
+    mflat = m.reshape(-1)
+    zero = torch.zeros((), dtype=cd, device=logp.device)
+
+    def _flat(x: Tensor) -> Tensor:
+        return torch.where(mflat, x.reshape(-1).to(cd), zero)
+
+    lp = _flat(logp)
+    old = lp.detach() if old_logp is None else _flat(old_logp.detach())
+    adv = _flat(advantages.detach())
+    log_w = torch.where(mflat, lp - old, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if variant == "gspo":
+        # GSPO (arXiv 2507.18071; twinkle GSPOLoss): geometric-mean sequence ratio, gradient to every token.
+        assert cu is not None
+        n_s = seq_count(mflat, cu).clamp(min=1).to(torch.float64)
+        log_w = (seq_sum64(log_w, mflat, cu) / n_s).to(cd)[seq_ids(cu, lp.numel())]
+    ratio = torch.exp(log_w)
+
+    if variant == "sapo":
+        gate_pos = torch.sigmoid(tp * (ratio - 1.0)) * (4.0 / tp)
+        gate_neg = torch.sigmoid(tn * (ratio - 1.0)) * (4.0 / tn)
+        per_token = -torch.where(adv > 0, gate_pos, gate_neg) * adv
+    elif variant == "cispo":
+        per_token = -torch.clamp(ratio, max=1.0 + eps_hi).detach() * adv * lp
+    else:
+        per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - eps_lo, 1.0 + eps_hi) * adv)
+    if b > 0 and ref_logp is not None:
+        # k3 of KL(π_θ‖π_ref) from π_θ samples (twinkle/TRL): exp(ref − ℓ) − (ref − ℓ) − 1, unclamped.
+        per_token = per_token + b * kl_from_log_ratio(lp - _flat(ref_logp.detach()), "k3")
+    if ec > 0:
+        assert entropy is not None
+        per_token = per_token - ec * _flat(entropy)
+    return torch.where(mflat, per_token, zero)
+
+
+def grpo_family_loss_terms(
+    variant: str,
+    logp: Tensor,
+    old_logp: Tensor | None,
+    ref_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    cu_seqlens: Tensor | None,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    beta: float = 0.0,
+    tau_pos: float = 1.0,
+    tau_neg: float | None = None,
+    max_completion_length: int = 1024,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """``(numerator, denominator)`` (float64 scalars) of one GRPO-family loss over a batch.
+
+    Inputs are packed ``[N]`` tokens with ``cu_seqlens`` ``[S + 1]`` (one segment per sequence) or padded
+    ``[S, T]`` rows; ``advantages`` is per token. The per-token loss is
+    :func:`grpo_family_per_token_loss`; the aggregation (``n_s`` = valid tokens of sequence ``s``):
+
+    - ``grpo``, ``gspo``, ``sapo``: numerator ``Σ_s Σ_t L·m / max(1, n_s)``, denominator ``S`` (every
+      sequence counts, also one without valid tokens: twinkle/TRL's per-sequence mean then batch mean).
+    - ``bnpo``, ``cispo``: ``Σ L·m`` over the token count ``Σ m`` (token mean).
+    - ``dr_grpo``: ``Σ L·m`` over ``S·max_completion_length`` (Dr. GRPO, arXiv 2503.20783).
+
+    Both terms add up over disjoint batches of whole sequences, so streaming and merging is exact. The
+    numerator back-propagates into ``logp``; ``old_logp``, ``ref_logp`` and ``advantages`` are detached.
+
+    Raises:
+        ValueError: an unknown variant, bad shapes, mask or hyper-parameters, packed input without
+            ``cu_seqlens`` (needed to count sequences: all variants except ``bnpo`` and ``cispo``).
+
+    Example:
+        >>> lp = torch.log(torch.tensor([1.5, 1.0, 0.5])); old = torch.zeros(3)
+        >>> num, den = grpo_family_loss_terms("grpo", lp, old, None, torch.tensor([1.0, 1.0, -1.0]),
+        ...                                   torch.ones(3, dtype=torch.bool), torch.tensor([0, 2, 3]))
+        >>> round(num.item(), 6), den.item()  # seq 0: (-1.2 - 1) / 2, seq 1: 0.8
+        (-0.3, 2.0)
+    """
+    _check_variant(variant)
+    mcl = max_completion_length
+    if isinstance(mcl, bool) or not isinstance(mcl, int) or mcl <= 0:
+        raise ValueError(f"max_completion_length must be a positive int, got {mcl!r}")
+    per_token = grpo_family_per_token_loss(
+        variant,
+        logp,
+        old_logp,
+        ref_logp,
+        advantages,
+        mask,
+        cu_seqlens,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        beta=beta,
+        tau_pos=tau_pos,
+        tau_neg=tau_neg,
+        entropy=entropy,
+        entropy_coef=entropy_coef,
+    )
+    mflat = as_bool_mask(mask, "mask").reshape(-1)
+    if variant in ("bnpo", "cispo"):
+        return masked_sum64(per_token, mflat), mflat.sum().to(torch.float64)
+    cu = flat_layout(logp, cu_seqlens, need_segments=True, what=f"the '{variant}' loss (it counts sequences)")
+    assert cu is not None
+    n_seq = torch.tensor(float(cu.numel() - 1), dtype=torch.float64, device=logp.device)
+    if variant == "dr_grpo":
+        return masked_sum64(per_token, mflat), n_seq * mcl
+    counts = seq_count(mflat, cu).clamp(min=1)
+    return (seq_sum64(per_token, mflat, cu) / counts).sum(), n_seq
