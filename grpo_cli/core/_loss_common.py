@@ -132,3 +132,12 @@ def safe_ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
     den = denominator.to(numerator.dtype)
     ok = den != 0
     return torch.where(ok, numerator / torch.where(ok, den, torch.ones_like(den)), numerator * 0)
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    """σ(x) = 1 / (1 + e^{−x}), built on ``exp`` so each element's value does not depend on its offset.
+
+    torch's float32 ``sigmoid`` on CPU uses a vectorised body and a scalar tail that can differ in the last ulp,
+    which made SAPO's value depend on how a dump was batched; ``exp`` and division agree on both paths.
+    """
+    return torch.reciprocal(1.0 + torch.exp(-x))

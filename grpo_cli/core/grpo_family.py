@@ -21,6 +21,7 @@ from grpo_cli.core._loss_common import (
     seq_count,
     seq_ids,
     seq_sum64,
+    sigmoid,
 )
 from grpo_cli.core.kl import kl_from_log_ratio
 
@@ -97,8 +98,8 @@ def grpo_family_per_token_loss(
     ratio = torch.exp(log_w)
 
     if variant == "sapo":
-        gate_pos = torch.sigmoid(tp * (ratio - 1.0)) * (4.0 / tp)
-        gate_neg = torch.sigmoid(tn * (ratio - 1.0)) * (4.0 / tn)
+        gate_pos = sigmoid(tp * (ratio - 1.0)) * (4.0 / tp)
+        gate_neg = sigmoid(tn * (ratio - 1.0)) * (4.0 / tn)
         per_token = -torch.where(adv > 0, gate_pos, gate_neg) * adv
     elif variant == "cispo":
         per_token = -torch.clamp(ratio, max=1.0 + eps_hi).detach() * adv * lp

@@ -25,6 +25,7 @@ from grpo_cli.core._loss_common import (
     seq_count,
     seq_ids,
     seq_sum64,
+    sigmoid,
 )
 from grpo_cli.core.rejection import RejectionSamplingConfig, apply_rejection_sampling
 
@@ -282,8 +283,8 @@ def sapo_loss_terms(
     else:
         ratio = torch.exp(log_ratio)
     # SAPO (arXiv 2511.20347, AReaL §1.4): gate σ(τ(r-1))·4/τ, τ₊ for A > 0 and τ₋ otherwise; L = -gate·A.
-    gate_pos = torch.sigmoid(tp * (ratio - 1.0)) * (4.0 / tp)
-    gate_neg = torch.sigmoid(tn * (ratio - 1.0)) * (4.0 / tn)
+    gate_pos = sigmoid(tp * (ratio - 1.0)) * (4.0 / tp)
+    gate_neg = sigmoid(tn * (ratio - 1.0)) * (4.0 / tn)
     gate = torch.where(adv > 0, gate_pos, gate_neg)
     per_token = -gate * adv
     stats = {

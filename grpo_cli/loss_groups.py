@@ -1,0 +1,108 @@
+"""``loss/*`` in ``analyze``: the GRPO-family losses and AReaL's PPO actor loss over a whole dump, streamed.
+
+Every loss is a ratio of two sums over whole sequences (``core.grpo_family_loss_terms``,
+``core.ppo_actor_loss_terms``), so the figure for the dump is Σ numerator / Σ denominator over batches: exactly the
+value one call over all sequences in memory would return. The PPO ratio's base is ``prox_logp`` when the dump has
+it (decoupled PPO), else ``old_logp``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from grpo_cli.core.batch import TokenBatch
+from grpo_cli.core.grpo_family import GRPO_VARIANTS, grpo_family_loss_terms
+from grpo_cli.core.ppo import ppo_actor_loss_terms
+from grpo_cli.core.state import MetricState, count, total
+
+if TYPE_CHECKING:
+    from grpo_cli.analysis import AnalyzeConfig
+
+__all__ = ["LOSS_NAMES", "LossGroup"]
+
+LOSS_NAMES = (*GRPO_VARIANTS, "ppo")
+"""``--loss`` choices: the six GRPO-family loss objects and AReaL's ``ppo_actor_loss``."""
+
+_NEEDS = "needs 'advantages' and a ratio base ('prox_logp' or 'old_logp')"
+
+
+class LossGroup:
+    """``loss/<name>`` for every selected loss and ``clip/dual`` (with ``--c-clip``)."""
+
+    name = "loss"
+
+    def columns(self) -> frozenset[str]:
+        return frozenset({"new_logp", "old_logp", "prox_logp", "ref_logp", "advantages"})
+
+    def _selected(self, config: AnalyzeConfig) -> tuple[str, ...]:
+        return LOSS_NAMES if config.losses is None else tuple(config.losses)
+
+    def omitted(self, columns: frozenset[str], config: AnalyzeConfig) -> dict[str, str]:
+        keys = [f"loss/{name}" for name in self._selected(config)]
+        if config.c_clip is not None:
+            keys.append("clip/dual")
+        if "advantages" not in columns or not {"old_logp", "prox_logp"} & columns:
+            return dict.fromkeys(keys, _NEEDS)
+        return {}
+
+    def init_state(self, config: AnalyzeConfig, device: torch.device | str) -> MetricState:
+        specs = {}
+        for name in self._selected(config):
+            specs[f"{name}_num"] = total()
+            specs[f"{name}_den"] = total()
+        specs["n_dual"] = count()
+        specs["n_tokens"] = count()
+        return MetricState(specs, device)
+
+    def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: AnalyzeConfig) -> None:
+        base = valid.prox_logp if valid.prox_logp is not None else valid.old_logp
+        if base is None or valid.advantages is None:
+            return
+        mask = torch.ones_like(valid.new_logp, dtype=torch.bool)
+        for name in self._selected(config):
+            if name == "ppo":
+                num, den, stats = ppo_actor_loss_terms(
+                    valid.new_logp,
+                    base,
+                    valid.old_logp if valid.old_logp is not None else base,
+                    valid.advantages,
+                    config.epsilon,
+                    mask,
+                    eps_clip_higher=config.epsilon_high,
+                    c_clip=config.c_clip,
+                    rejection_sampling=config.rejection_sampling(),
+                    importance_sampling_level=config.importance_level,
+                    cu_seqlens=valid.cu_seqlens,
+                )
+                state.update(n_dual=stats["dual_clip_mask"].sum(), n_tokens=torch.tensor(valid.n_tokens))
+            else:
+                num, den = grpo_family_loss_terms(
+                    name,
+                    valid.new_logp,
+                    base,
+                    valid.ref_logp,
+                    valid.advantages,
+                    mask,
+                    valid.cu_seqlens,
+                    clip_low=config.epsilon,
+                    clip_high=config.epsilon_high,
+                    beta=config.beta,
+                    tau_pos=config.tau_pos,
+                    tau_neg=config.tau_neg,
+                    max_completion_length=config.max_completion_length,
+                )
+            state.update(**{f"{name}_num": num.detach(), f"{name}_den": den})
+
+    def compute(self, state: MetricState, config: AnalyzeConfig) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self._selected(config):
+            den = float(state[f"{name}_den"])
+            if name == "ppo":
+                den = max(den, 1.0)  # AReaL divides by max(N0, 1)
+            if den > 0:
+                out[f"loss/{name}"] = float(state[f"{name}_num"]) / den
+        if config.c_clip is not None and int(state["n_tokens"]) > 0:
+            out["clip/dual"] = int(state["n_dual"]) / int(state["n_tokens"])
+        return out

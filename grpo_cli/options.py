@@ -1,0 +1,95 @@
+"""Options shared by every command that evaluates the PPO objective (``analyze``, ``compare-prox``, ``check``)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from grpo_cli.core.rejection import RejectionSamplingConfig
+from grpo_cli.errors import UsageError
+
+__all__ = ["IMPORTANCE_LEVELS", "PPOOptions", "check_finite"]
+
+IMPORTANCE_LEVELS = ("token", "sequence")
+_RS_FIELDS = ("rs_level", "rs_action", "rs_metric", "rs_agg", "rs_upper", "rs_lower")
+
+
+def check_finite(value: object, option: str, *, minimum: float | None = None, above: float | None = None) -> None:
+    """Raise a :class:`UsageError` naming ``option`` unless ``value`` is a finite number within the bound."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and minimum is not None:
+        ok = value >= minimum
+    if ok and above is not None:
+        ok = value > above
+    if not ok:
+        bound = f" >= {minimum}" if minimum is not None else f" > {above}" if above is not None else ""
+        raise UsageError(f"{option} must be a finite number{bound}, got {value}")
+
+
+@dataclass
+class PPOOptions:
+    """Clip widths, dual clip, importance level and AReaL rejection sampling.
+
+    Attributes:
+        epsilon, epsilon_high, c_clip, importance_level: AReaL's ``eps_clip``, ``eps_clip_higher``, ``c_clip``,
+            ``importance_sampling_level`` (``epsilon_high`` defaults to ``epsilon``).
+        rs_level, rs_action, rs_metric, rs_agg, rs_upper, rs_lower: AReaL's ``RejectionSamplingConfig``; rejection
+            sampling is on when any of them is set (the others take AReaL's defaults) and off otherwise.
+    """
+
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    c_clip: float | None = None
+    importance_level: str = "token"
+    rs_level: str | None = None
+    rs_action: str | None = None
+    rs_metric: str | None = None
+    rs_agg: str | None = None
+    rs_upper: float | None = None
+    rs_lower: float | None = None
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def validate_ppo(self) -> None:
+        """Raise :class:`UsageError` (exit 2) naming the bad option."""
+        check_finite(self.epsilon, "--epsilon", minimum=0)
+        if self.epsilon_high is not None:
+            check_finite(self.epsilon_high, "--epsilon-high", minimum=0)
+        if self.c_clip is not None:
+            check_finite(self.c_clip, "--c-clip (dual clipping)", above=1)
+        if self.importance_level not in IMPORTANCE_LEVELS:
+            raise UsageError(f"--importance-level must be token or sequence, got {self.importance_level!r}")
+        self.rejection_sampling()
+
+    def rejection_sampling(self) -> RejectionSamplingConfig | None:
+        """AReaL's ``RejectionSamplingConfig`` from the ``rs_*`` fields, or ``None`` when none is set."""
+        given = {name[3:]: getattr(self, name) for name in _RS_FIELDS if getattr(self, name) is not None}
+        if not given:
+            return None
+        try:
+            with warnings.catch_warnings():
+                # AReaL warns that agg is ignored at token level; `ppo_notes()` says it once, in the user's terms.
+                warnings.simplefilter("ignore", UserWarning)
+                return RejectionSamplingConfig(**given)
+        except (ValueError, TypeError) as exc:
+            raise UsageError(f"rejection sampling (--rs-*): {exc}") from None
+
+    def ppo_notes(self) -> list[str]:
+        """Warnings about options that have no effect (the CLI prints them on stderr)."""
+        rs = self.rejection_sampling()
+        if rs is not None and rs.level == "token" and self.rs_agg not in (None, "mean"):
+            return [f"--rs-agg {self.rs_agg} is ignored at --rs-level token (aggregation is per sequence)"]
+        return []
+
+    def ppo_json(self, out: dict[str, Any]) -> dict[str, Any]:
+        """Rewrite ``asdict(self)`` for the JSON ``config``: ε_high resolved, rs_* folded into one object."""
+        for name in _RS_FIELDS:
+            out.pop(name, None)
+        out["epsilon_high"] = self.eps_high
+        rs = self.rejection_sampling()
+        out["rejection_sampling"] = None if rs is None else asdict(rs)
+        return out
