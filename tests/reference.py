@@ -166,3 +166,277 @@ def write_sequences(path: str, seqs: list[Seq], *, row_group_size: int = 16, tok
             cols["group_id"] = pa.array(rep("group_id"), pa.int64())
         cols["seq_id"] = pa.array([i for i, s in enumerate(seqs) for _ in s.new], pa.int64())
     pq.write_table(pa.table(cols), path, row_group_size=row_group_size)
+
+
+# -- issue 4: off-policy diagnostics (independent float64 references) ---------------------------------------------
+
+
+def exact_lower_quantile(values: list[float], q: float) -> float:
+    """x_(k) with k = max(1, ⌈q·n⌉) (numpy's 'inverted_cdf'), k computed in exact rationals."""
+    from fractions import Fraction
+
+    ordered = sorted(values)
+    k = max(1, math.ceil(Fraction(str(q)) * len(ordered)))
+    return ordered[k - 1]
+
+
+def _pop_std(values: list[float]) -> float:
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+
+
+def _clamp(v: float, bound: float | None) -> float:
+    return v if bound is None else max(-bound, min(bound, v))
+
+
+def _f32_ratio(new: float, base: float) -> np.float32:
+    # As the core computes it for float32 data: a float32 difference, exp rounded to float32.
+    return np.float32(math.exp(float(np.float32(new) - np.float32(base))))
+
+
+def offpolicy_reference(
+    seqs: list[Seq],
+    *,
+    kl_clamp: float | None = None,
+    is_threshold: float = 2.0,
+    eps: float = 0.2,
+    eps_high: float | None = None,
+    current_version: int | None = None,
+) -> dict:
+    """Issue 4's figures by their written definitions (loops over sequences and tokens, float64).
+
+    Returns the scalar figures under their analyze keys, plus ``"_ratio"`` / ``"_abs_diff"`` (the value lists, for
+    quantile checks) and ``by_staleness`` / ``staleness/hist`` as lists of dicts.
+    """
+    eps_high = eps if eps_high is None else eps_high
+    c = is_threshold
+    out: dict = {}
+    toks = [(s, t) for s in seqs for t in s.valid()]
+    n = len(toks)
+    has_old, has_ref, has_prox = seqs[0].old is not None, seqs[0].ref is not None, seqs[0].prox is not None
+
+    if has_old:
+        xs = [s.new[t] - s.old[t] for s, t in toks]
+        out["kl/k1"] = sum(_clamp(-x, kl_clamp) for x in xs) / n
+        out["kl/k2"] = sum(_clamp(x * x / 2, kl_clamp) for x in xs) / n
+        out["kl/k3"] = sum(_clamp(math.exp(x) - 1 - x, kl_clamp) for x in xs) / n
+        out["kl/abs_diff_mean"] = sum(abs(x) for x in xs) / n
+        out["kl/abs_diff_max"] = max(abs(x) for x in xs)
+        # §3 importance weights
+        w = [math.exp(x) for x in xs]
+        out["is/mean"] = sum(w) / n
+        out["is/min"], out["is/max"] = min(w), max(w)
+        wt = [min(max(v, 1 / c), c) for v in w]
+        mean_t = sum(wt) / n
+        out["is/std"] = _pop_std(wt)
+        out["is/ess"] = 1 / (sum((v / mean_t) ** 2 for v in wt) / n)
+        out["is/frac_high"] = sum(v > c for v in w) / n
+        out["is/frac_low"] = sum(v < 1 / c for v in w) / n
+        out["is/chi2_token"] = sum(v * v for v in w) / n - 1
+        out["spikes/n_ratio_gt_1e3"] = sum(v > 1e3 for v in w)
+        a = [math.exp(s.new[t]) for s, t in toks]
+        b = [math.exp(s.old[t]) for s, t in toks]
+        ma, mb = sum(a) / n, sum(b) / n
+        cov = sum((x - ma) * (y - mb) for x, y in zip(a, b)) / n
+        out["prob/pearson"] = cov / (_pop_std(a) * _pop_std(b))
+        out["_abs_diff"] = [abs(x) for x in xs]
+        out["abs_diff/mean"] = out["kl/abs_diff_mean"]
+        out["abs_diff/max"] = out["kl/abs_diff_max"]
+        out["abs_diff/min"] = min(out["_abs_diff"])
+        out["abs_diff/std"] = _pop_std(out["_abs_diff"])
+    if has_ref:
+        ys = [s.ref[t] - s.new[t] for s, t in toks]
+        out["kl_ref/k1"] = sum(_clamp(-y, kl_clamp) for y in ys) / n
+        out["kl_ref/k2"] = sum(_clamp(y * y / 2, kl_clamp) for y in ys) / n
+        out["kl_ref/k3"] = sum(_clamp(math.exp(y) - 1 - y, kl_clamp) for y in ys) / n
+
+    # per non-empty sequence: perplexities and the sequence χ²
+    ppl_new, ppl_old, diffs, chi2 = [], [], [], []
+    for s in seqs:
+        idx = s.valid()
+        if not idx:
+            continue
+        mean_new = sum(s.new[t] for t in idx) / len(idx)
+        ppl_new.append(math.exp(-mean_new))
+        if has_old:
+            mean_old = sum(s.old[t] for t in idx) / len(idx)
+            ppl_old.append(math.exp(-mean_old))
+            diffs.append(mean_old - mean_new)
+            log_w = sum(s.new[t] - s.old[t] for t in idx)
+            chi2.append(math.exp(2 * max(-20.0, min(20.0, log_w))) - 1)
+    out["ppl/new"] = sum(ppl_new) / len(ppl_new)
+    if has_old:
+        m = len(diffs)
+        out["ppl/old"] = sum(ppl_old) / m
+        out["ppl/log_diff_mean"] = sum(diffs) / m
+        out["ppl/log_diff_abs_mean"] = sum(abs(d) for d in diffs) / m
+        out["ppl/ratio"] = sum(math.exp(d) for d in diffs) / m
+        out["is/chi2_seq"] = sum(chi2) / m
+
+    # §4 the PPO ratio (base = prox if present, else old)
+    if has_old or has_prox:
+        base = "prox" if has_prox else "old"
+        r = [math.exp(s.new[t] - getattr(s, base)[t]) for s, t in toks]
+        out["_ratio"] = r
+        out["ratio/mean"], out["ratio/min"], out["ratio/std"] = sum(r) / n, min(r), _pop_std(r)
+
+    # §2 decoupled PPO without rejection sampling
+    if has_prox and has_old:
+        d = [s.prox[t] - s.old[t] for s, t in toks]
+        wb = [math.exp(v) for v in d]
+        out["behave/imp_weight_mean"] = sum(wb) / n
+        out["behave/imp_weight_min"], out["behave/imp_weight_max"] = min(wb), max(wb)
+        out["behave/approx_kl"] = sum(d) / n
+
+    # §5 staleness over valid generated tokens
+    if seqs[0].versions is not None:
+        per_lag: dict[int, list[tuple]] = {}
+        on_policy = []
+        for s, t in toks:
+            v = s.versions[t]
+            if v < 0:
+                continue
+            cur = s.current_version if s.current_version is not None else current_version
+            lag = cur - v
+            entry = [None, None, None, None]
+            if has_old:
+                x = s.new[t] - s.old[t]
+                entry[0] = _clamp(math.exp(x) - 1 - x, kl_clamp)
+                entry[2] = math.exp(x)
+                entry[3] = abs(x)
+                if lag == 0:
+                    on_policy.append(abs(math.exp(x) - 1))
+            base = s.prox if has_prox else s.old
+            if base is not None and s.advantage is not None:
+                r32 = _f32_ratio(s.new[t], base[t])
+                lo, hi = np.float32(1 - eps), np.float32(1 + eps_high)
+                entry[1] = bool((r32 < lo and s.advantage < 0) or (r32 > hi and s.advantage > 0))
+            per_lag.setdefault(lag, []).append(tuple(entry))
+        lags = [lag for lag, items in per_lag.items() for _ in items]
+        m = len(lags)
+        if m:
+            out["staleness/n_tokens"] = m
+            out["staleness/theta_mean"] = sum(lags) / m
+            out["staleness/theta_min"], out["staleness/theta_max"] = min(lags), max(lags)
+            out["staleness/proximal_mean"] = sum(lag - 1 for lag in lags) / m
+            out["staleness/proximal_min"] = min(lags) - 1
+            out["staleness/proximal_max"] = max(lags) - 1
+            out["staleness/hist"] = [{"lag": lag, "n_tokens": len(per_lag[lag])} for lag in sorted(per_lag)]
+            rows = []
+            for lag in sorted(per_lag):
+                items = per_lag[lag]
+                row = {"lag": lag, "n_tokens": len(items)}
+                if has_old:
+                    row["kl/k3"] = sum(e[0] for e in items) / len(items)
+                if items[0][1] is not None:
+                    row["clip/ratio"] = sum(e[1] for e in items) / len(items)
+                if has_old:
+                    row["is/mean"] = sum(e[2] for e in items) / len(items)
+                    row["abs_diff/mean"] = sum(e[3] for e in items) / len(items)
+                rows.append(row)
+            out["by_staleness"] = rows
+            if has_old:
+                out["sanity/n_on_policy_tokens"] = len(on_policy)
+                if on_policy:
+                    out["sanity/on_policy_ratio_dev"] = max(on_policy)
+
+    # §6 sequences and groups
+    lengths = [len(s.valid()) for s in seqs]
+    out["seq/len_mean"] = sum(lengths) / len(lengths)
+    out["seq/len_min"], out["seq/len_max"] = min(lengths), max(lengths)
+    if seqs[0].advantage is not None:
+        adv = [s.advantage for s, _ in toks]
+        out["adv/mean"] = sum(adv) / n
+        out["adv/std"] = _pop_std(adv)
+        out["adv/pos_frac"] = sum(a > 0 for a in adv) / n
+        out["adv/neg_frac"] = sum(a < 0 for a in adv) / n
+        out["adv/zero_frac"] = sum(a == 0 for a in adv) / n
+    if seqs[0].reward is not None:
+        rewards = [s.reward for s in seqs]
+        out["reward/mean"] = sum(rewards) / len(rewards)
+        out["reward/std"] = _pop_std(rewards)
+        if seqs[0].group_id is not None:
+            groups: dict[int, list[float]] = {}
+            for s in seqs:
+                groups.setdefault(s.group_id, []).append(s.reward)
+            out["groups/n"] = len(groups)
+            out["groups/zero_std_frac"] = sum(len(set(g)) == 1 for g in groups.values()) / len(groups)
+    return out
+
+
+def rejection_reference(
+    seqs: list[Seq], *, level: str, action: str, metric: str, agg: str = "mean", upper: float = 5.0,
+    lower: float | None = None,
+) -> dict:
+    """AReaL's rejection sampling of π_prox/π_old (reference areal.md §1.3) and the behave stats over kept tokens.
+
+    Covers metric ``ratio`` (token/sequence, mask/clamp, agg mean/sum/max) and ``kl_k1/k2/k3`` (mask).
+    """
+    def in_bounds(v: float) -> bool:
+        return v <= upper if lower is None else lower <= v <= upper
+
+    def token_metric(d: float) -> float:  # d = prox − old
+        if metric == "ratio":
+            return math.exp(d)
+        return {"kl_k1": d, "kl_k2": d * d / 2, "kl_k3": math.exp(-d) - 1 + d}[metric]
+
+    n = kept_n = filtered = 0
+    kept_w: list[float] = []
+    kept_d: list[float] = []
+    for s in seqs:
+        idx = s.valid()
+        ds = [s.prox[t] - s.old[t] for t in idx]
+        n += len(ds)
+        if not ds:
+            continue
+        if level == "token":
+            weights = [math.exp(d) for d in ds]
+            if action == "mask":
+                keep = [in_bounds(token_metric(d)) for d in ds]
+            else:
+                lo = 0.0 if lower is None else lower
+                clamped = [min(max(w, lo), upper) for w in weights]
+                filtered += sum(cw != w for cw, w in zip(clamped, weights))
+                weights, keep = clamped, [True] * len(ds)
+        else:
+            values = ds if metric == "ratio" else [token_metric(d) for d in ds]
+            seq_value = {"sum": sum(values), "mean": sum(values) / len(values), "max": max(values)}[agg]
+            seq_metric = math.exp(seq_value) if metric == "ratio" else seq_value
+            geo = math.exp(sum(ds) / len(ds))
+            weights = [geo] * len(ds) if metric == "ratio" else [math.exp(d) for d in ds]
+            ok = in_bounds(seq_metric)
+            if action == "mask":
+                keep = [ok] * len(ds)
+            else:
+                keep = [True] * len(ds)
+                if not ok:
+                    lo = 0.0 if lower is None else lower
+                    clamped = [min(max(w, lo), upper) for w in weights]
+                    filtered += sum(cw != w for cw, w in zip(clamped, weights))
+                    weights = clamped
+        if action == "mask":
+            filtered += sum(not k for k in keep)
+        for k, w, d in zip(keep, weights, ds):
+            if k:
+                kept_n += 1
+                kept_w.append(w)
+                kept_d.append(d)
+    out = {"rs/filtered_fraction": filtered / n}
+    if kept_n:
+        out.update({
+            "behave/imp_weight_mean": sum(kept_w) / kept_n, "behave/imp_weight_min": min(kept_w),
+            "behave/imp_weight_max": max(kept_w), "behave/approx_kl": sum(kept_d) / kept_n,
+        })
+    return out
+
+
+def m2po_reference(second_moments: list[float], threshold: float) -> int:
+    """How many tokens M2PO masks: drop the largest until the mean of the rest is below the threshold (AReaL;
+    ``n − 1`` when that never happens)."""
+    v = sorted(second_moments, reverse=True)
+    n = len(v)
+    for k in range(n):
+        tail = v[k:]
+        if sum(tail) / len(tail) < threshold:
+            return k
+    return n - 1
