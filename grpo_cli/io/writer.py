@@ -1,0 +1,720 @@
+"""``RolloutWriter``: schema-v1 dumps written from inside a trainer, one call per (micro-)batch.
+
+Two lines in a training loop (``docs/recipes/`` has one page per framework)::
+
+    writer = RolloutWriter("dumps/run1", rank=rank, metadata={"framework": "verl", "temperature": 1.0})
+    writer.add(step=step, new_logp=logp, old_logp=rollout_logp, loss_mask=mask, advantages=adv)  # [B, T] each
+
+and ``writer.close()`` at the end (or use it as a context manager). What it does:
+
+* **Inputs** in any of three forms, chosen by the form of ``new_logp`` (every per-token column of a call must use
+  the same form): padded ``[B, T]`` tensors (sequence lengths from ``attention_mask``, ``lengths``, or else the
+  last loss-mask position of each row), packed ``[N]`` tensors with ``cu_seqlens``, or lists of 1-D tensors.
+  Tensors may live on any device and have any float dtype (bfloat16/float16 are stored as float32). Per-sequence
+  values (``rewards``, ``current_version``, ``group_id``, ``seq_id``, and ``advantages`` when it has one value per
+  sequence) are ``[B]``/``[B, 1]`` tensors, lists, or one scalar for the whole call.
+* **Absent columns stay absent**: a column you do not pass is not written (never zeros), so ``analyze`` omits the
+  figures that need it.
+* **Alignment**: ``alignment="next_token"`` (value t belongs to token t + 1: AReaL's loss inputs, twinkle, OpenRLHF)
+  is un-rolled once to schema v1's token alignment (:func:`grpo_cli.io.align.unroll_next_token`); a per-column
+  override handles exceptions such as AReaL's ``versions``, which stay token-aligned. The first token of every
+  sequence then has no value: it is masked in the stored ``loss_mask`` (written even when you passed none).
+* **Several forwards per sequence** (PPO epochs): ``RolloutWriter(..., dedupe=True)`` keeps only the first ``add``
+  of each ``seq_id`` within a step, so ``new_logp`` is each sequence's first training forward (``dumps.md`` §8.6).
+* **Files**: one rank-local part file per step, ``part-step{step:06d}-rank{rank:03d}.parquet`` (a step seen again
+  after another step gets ``-1``, ``-2``, … before ``.parquet``), written to a hidden temporary file and renamed
+  into place when the step is complete, so a reader never sees half a file. Several ``add`` calls of one step go
+  to the same file; row groups hold about ``row_group_tokens`` tokens, so memory stays bounded.
+* **Fast settings** (``../shared/reference/ecosystem.md`` §1.5): non-nullable list and element fields, no
+  dictionary for floats, BYTE_STREAM_SPLIT + zstd for floats, bit-packed bool masks, int32 versions.
+* **Metadata**: Parquet key-value metadata ``grpo_cli.<key>`` (JSON values): what you pass (``framework``,
+  ``framework_version``, ``temperature``, ``top_p``, ``top_k``, ``logprobs_mode``, ``hook``, or anything else) plus
+  ``schema_version``, ``writer``, ``rank``, ``step``, ``alignment`` (always ``"token"`` after un-rolling),
+  ``source_alignment`` and ``window``. :func:`read_metadata` reads them back.
+
+Importing this module pulls in torch and pyarrow but no CLI code (typer, rich).
+
+Example:
+    >>> import tempfile, torch
+    >>> with tempfile.TemporaryDirectory() as d, RolloutWriter(d, metadata={"framework": "demo"}) as w:
+    ...     w.add(step=0, new_logp=[torch.tensor([-0.5, -1.0]), torch.tensor([-2.0])], rewards=[1.0, 0.0])
+    2
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch import Tensor
+
+from grpo_cli import __version__
+from grpo_cli.core.packing import cu_seqlens_from_lengths, lengths_from_cu_seqlens, padded_to_packed
+from grpo_cli.io.align import unroll_next_token
+from grpo_cli.io.schema import COLUMNS, SCHEMA_VERSION, ColumnKind
+
+__all__ = [
+    "ALIGNMENTS",
+    "METADATA_PREFIX",
+    "SEQUENCE_INPUTS",
+    "TOKEN_INPUTS",
+    "WINDOWS",
+    "RolloutWriter",
+    "fast_write_options",
+    "read_metadata",
+]
+
+ALIGNMENTS = ("token", "next_token")
+WINDOWS = ("full", "response")
+METADATA_PREFIX = "grpo_cli."
+#: Per-token inputs of :meth:`RolloutWriter.add` (``advantages`` may also be per sequence).
+_TOKEN_KINDS = (ColumnKind.TOKEN_FLOAT, ColumnKind.TOKEN_MASK, ColumnKind.TOKEN_INT, ColumnKind.SEQUENCE_OR_TOKEN_FLOAT)
+TOKEN_INPUTS = tuple(name for name, spec in COLUMNS.items() if spec.kind in _TOKEN_KINDS)
+#: Per-sequence inputs of :meth:`RolloutWriter.add` (``step`` is its own argument).
+SEQUENCE_INPUTS = tuple(name for name, spec in COLUMNS.items() if spec.kind not in _TOKEN_KINDS and name != "step")
+_RESERVED_METADATA = ("schema_version", "writer", "rank", "step", "alignment", "source_alignment", "window")
+_INT32 = torch.iinfo(torch.int32)
+
+
+def _list_type(value_type: pa.DataType) -> pa.DataType:
+    return pa.list_(pa.field("element", value_type, nullable=False))
+
+
+def fast_write_options(schema: pa.Schema) -> dict[str, Any]:
+    """``pq.ParquetWriter`` keywords for fast reading (``ecosystem.md`` §1.3–1.5).
+
+    Floats: BYTE_STREAM_SPLIT + zstd and no dictionary (log-probs are nearly all distinct, a dictionary only adds
+    a fallback); integers: dictionary (versions and ids repeat); booleans: plain bit-packing. Fields should be
+    declared non-nullable, which shrinks the definition levels the reader decodes.
+    """
+    dictionary: list[str] = []
+    encoding: dict[str, str] = {}
+    for field in schema:
+        is_list = pa.types.is_list(field.type) or pa.types.is_large_list(field.type)
+        leaf_type = field.type.value_type if is_list else field.type
+        leaf = f"{field.name}.list.element" if is_list else field.name
+        if pa.types.is_floating(leaf_type) and not pa.types.is_float16(leaf_type):
+            encoding[leaf] = "BYTE_STREAM_SPLIT"
+        elif pa.types.is_integer(leaf_type):
+            dictionary.append(leaf)
+    return {
+        "compression": "zstd",
+        "use_dictionary": dictionary,
+        "column_encoding": encoding or None,
+        "write_statistics": False,
+        "write_page_checksum": True,  # the reader verifies page CRCs: corruption becomes an error, not numbers
+    }
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``grpo_cli.*`` key-value metadata of a Parquet file, JSON-decoded, without the prefix.
+
+    Example:
+        >>> read_metadata("dumps/run1/part-step000000-rank000.parquet")["framework"]  # doctest: +SKIP
+        'verl'
+    """
+    raw = pq.read_schema(path).metadata or {}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.decode("utf-8", "replace")
+        if name.startswith(METADATA_PREFIX):
+            text = value.decode("utf-8", "replace")
+            try:
+                out[name[len(METADATA_PREFIX):]] = json.loads(text)
+            except json.JSONDecodeError:
+                out[name[len(METADATA_PREFIX):]] = text
+    return out
+
+
+# -- input normalisation ------------------------------------------------------------------------------------------
+def _as_tensor(value: Any, name: str) -> Tensor:
+    if isinstance(value, Tensor):
+        return value.detach()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{name}: cannot be read as a tensor ({exc})") from None
+
+
+def _is_sequence_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple))
+
+
+class _Layout:
+    """How the per-token inputs of one ``add`` call are laid out, and how to pack any of them."""
+
+    def __init__(
+        self,
+        new_logp: Any,
+        *,
+        cu_seqlens: Any,
+        lengths: Any,
+        attention_mask: Any,
+        loss_mask: Any,
+        mask_next_token: bool,
+    ) -> None:
+        self.form: str
+        self.select: Tensor | None = None  # padded: [B, T] bool of the positions that exist
+        self.shape: tuple[int, ...] = ()
+        if _is_sequence_list(new_logp):
+            if cu_seqlens is not None or attention_mask is not None:
+                raise ValueError("new_logp is a list of sequences: cu_seqlens/attention_mask do not apply")
+            self.form = "list"
+            parts = [_as_tensor(x, "new_logp") for x in new_logp]
+            for i, part in enumerate(parts):
+                if part.dim() != 1:
+                    raise ValueError(f"new_logp[{i}]: expected a 1-D tensor, got shape {tuple(part.shape)}")
+            seq_lengths = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
+        else:
+            tensor = _as_tensor(new_logp, "new_logp")
+            self.shape = tuple(tensor.shape)
+            if tensor.dim() == 1:
+                if cu_seqlens is None:
+                    raise ValueError(
+                        "new_logp is 1-D: pass cu_seqlens for packed sequences (or a [1, T] tensor for one sequence)"
+                    )
+                self.form = "packed"
+                cu = _as_tensor(cu_seqlens, "cu_seqlens").to("cpu", torch.int64)
+                if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != tensor.numel():
+                    raise ValueError(
+                        f"cu_seqlens must be [B + 1] offsets from 0 to {tensor.numel()}, got {cu.tolist()[:8]}…"
+                    )
+                seq_lengths = lengths_from_cu_seqlens(cu)
+                if bool((seq_lengths < 0).any()):
+                    raise ValueError("cu_seqlens must be non-decreasing")
+            elif tensor.dim() == 2:
+                if cu_seqlens is not None:
+                    raise ValueError("new_logp is padded [B, T]: cu_seqlens does not apply (use lengths)")
+                self.form = "padded"
+                n_rows, width = tensor.shape
+                if attention_mask is not None:
+                    if lengths is not None:
+                        raise ValueError("pass lengths or attention_mask, not both")
+                    select = _as_tensor(attention_mask, "attention_mask").to("cpu")
+                    if tuple(select.shape) != self.shape:
+                        raise ValueError(f"attention_mask has shape {tuple(select.shape)}, new_logp {self.shape}")
+                    self.select = select != 0
+                    seq_lengths = self.select.sum(dim=1).to(torch.int64)
+                elif lengths is not None:
+                    seq_lengths = _as_tensor(lengths, "lengths").to("cpu", torch.int64).reshape(-1)
+                    if seq_lengths.numel() != n_rows or bool((seq_lengths < 0).any() | (seq_lengths > width).any()):
+                        raise ValueError(f"lengths must be {n_rows} values in [0, {width}]")
+                elif loss_mask is not None and not _is_sequence_list(loss_mask):
+                    # Right padding assumed: a row ends at its last loss-mask position (+1 when the mask is
+                    # next-token aligned, since that position then predicts the row's last token).
+                    mask = _as_tensor(loss_mask, "loss_mask").to("cpu")
+                    if tuple(mask.shape) != self.shape:
+                        raise ValueError(f"loss_mask has shape {tuple(mask.shape)}, new_logp {self.shape}")
+                    positions = torch.arange(1, width + 1, dtype=torch.int64)
+                    seq_lengths = torch.where(mask != 0, positions, torch.zeros_like(positions)).amax(dim=1)
+                    if mask_next_token:
+                        seq_lengths = torch.clamp(seq_lengths + (seq_lengths > 0).to(torch.int64), max=width)
+                    if n_rows == 0:
+                        seq_lengths = torch.zeros(0, dtype=torch.int64)
+                else:
+                    seq_lengths = torch.full((n_rows,), width, dtype=torch.int64)
+            else:
+                raise ValueError(f"new_logp: expected [B, T], packed [N] or a list of 1-D tensors, got {self.shape}")
+        self.lengths = seq_lengths
+        self.cu_seqlens = cu_seqlens_from_lengths(seq_lengths)
+        self.n_sequences = int(seq_lengths.numel())
+        self.n_tokens = int(self.cu_seqlens[-1])
+
+    def is_per_sequence(self, value: Any) -> bool:
+        """Whether an ``advantages`` input holds one value per sequence (else one per token)."""
+        if self.form == "list" and _is_sequence_list(value):
+            return all(not isinstance(v, (list, tuple)) and _as_tensor(v, "advantages").dim() == 0 for v in value)
+        tensor = _as_tensor(value, "advantages")
+        if tensor.dim() == 0:
+            return True
+        if self.form == "padded":
+            return tuple(tensor.shape) != self.shape and (
+                tuple(tensor.shape) in ((self.n_sequences,), (self.n_sequences, 1))
+            )
+        if self.form == "packed":
+            return tensor.dim() == 1 and tensor.numel() == self.n_sequences and tensor.numel() != self.n_tokens
+        return tensor.dim() == 1 and tensor.numel() == self.n_sequences
+
+    def pack(self, value: Any, name: str) -> Tensor:
+        """A per-token input in this call's form → packed ``[N]`` (on the input's device)."""
+        if self.form == "list":
+            if not _is_sequence_list(value) or len(value) != self.n_sequences:
+                raise ValueError(f"{name}: expected a list of {self.n_sequences} 1-D tensors like new_logp")
+            parts = [_as_tensor(x, f"{name}[{i}]") for i, x in enumerate(value)]
+            for i, (part, length) in enumerate(zip(parts, self.lengths.tolist())):
+                if part.dim() != 1 or part.numel() != length:
+                    raise ValueError(f"{name}[{i}]: has shape {tuple(part.shape)}, new_logp[{i}] has {length} tokens")
+            if not parts:
+                return torch.zeros(0)
+            device = parts[0].device
+            return torch.cat([p.to(device) for p in parts])
+        tensor = _as_tensor(value, name)
+        if tuple(tensor.shape) != self.shape:
+            raise ValueError(f"{name}: has shape {tuple(tensor.shape)}, new_logp has {self.shape}")
+        if self.form == "packed":
+            return tensor
+        if self.select is not None:
+            return tensor[self.select.to(tensor.device)]
+        packed, _ = padded_to_packed(tensor, self.lengths.to(tensor.device))
+        return packed
+
+    def per_sequence(self, value: Any, name: str) -> Tensor:
+        """A per-sequence input (scalar, ``[B]``, ``[B, 1]`` or a list of scalars) → ``[B]``."""
+        if _is_sequence_list(value):
+            items = [_as_tensor(v, name) for v in value]
+            if any(v.numel() != 1 for v in items):
+                raise ValueError(f"{name}: expected one value per sequence")
+            tensor = torch.stack([v.reshape(()).cpu() for v in items]) if items else torch.zeros(0)
+        else:
+            tensor = _as_tensor(value, name)
+        if tensor.dim() == 0:
+            return tensor.reshape(1).expand(self.n_sequences)
+        if tensor.dim() == 2 and tensor.shape[1] == 1:
+            tensor = tensor[:, 0]
+        if tensor.dim() != 1 or tensor.numel() != self.n_sequences:
+            raise ValueError(
+                f"{name}: expected {self.n_sequences} values (one per sequence), got {tuple(tensor.shape)}"
+            )
+        return tensor
+
+
+def _float_numpy(values: Tensor, name: str) -> np.ndarray:
+    if values.dtype == torch.bool or not (values.is_floating_point() or values.dtype in _INTEGER_DTYPES):
+        raise ValueError(f"{name}: expected float values, got {values.dtype}")
+    if values.dtype != torch.float64:
+        values = values.to(torch.float32)
+    return values.cpu().numpy()
+
+
+_INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def _int_numpy(values: Tensor, name: str, dtype: torch.dtype) -> np.ndarray:
+    if values.is_floating_point():
+        if not bool(torch.isfinite(values).all()) or not bool((values == torch.round(values)).all()):
+            raise ValueError(f"{name}: expected integer values")
+    elif values.dtype == torch.bool:
+        raise ValueError(f"{name}: expected integer values, got bool")
+    if dtype == torch.int32 and values.numel() and (
+        int(values.min()) < _INT32.min or int(values.max()) > _INT32.max
+    ):
+        raise ValueError(f"{name}: values outside the int32 range")
+    return values.to(dtype).cpu().numpy()
+
+
+def _mask_numpy(values: Tensor) -> np.ndarray:
+    return (values != 0).cpu().numpy()
+
+
+# -- the writer ---------------------------------------------------------------------------------------------------
+class RolloutWriter:
+    """Writes schema-v1 rank-local part files from a trainer (see the module docstring).
+
+    Args:
+        directory: output directory (created if missing); several ranks may share it.
+        rank: this process's rank (part of the file name and of the metadata).
+        metadata: JSON-serialisable facts about the run, stored as ``grpo_cli.<key>`` Parquet metadata. Use
+            ``framework``, ``framework_version``, ``temperature``, ``top_p``, ``top_k``, ``logprobs_mode`` (e.g.
+            vLLM's ``raw_logprobs``/``processed_logprobs``) and ``hook`` (where the writer is called) where known.
+        row_group_tokens: about how many tokens a row group holds (bounds the writer's buffer).
+        fsync: flush each finished part file to disk before renaming it into place.
+        dedupe: keep only the first ``add`` of each ``seq_id`` within a step and drop later ones. With several
+            PPO epochs (or mini-batch passes) a loss hook sees each sequence more than once; with ``dedupe`` the
+            dump's ``new_logp`` is each sequence's *first* training forward (``dumps.md`` §8.6). Needs ``seq_id``.
+
+    Raises:
+        ValueError: a bad rank, metadata that is not JSON-serialisable, or a reserved metadata key.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        rank: int = 0,
+        metadata: Mapping[str, Any] | None = None,
+        row_group_tokens: int = 1 << 20,
+        fsync: bool = True,
+        dedupe: bool = False,
+    ) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
+        if isinstance(row_group_tokens, bool) or not isinstance(row_group_tokens, int) or row_group_tokens < 1:
+            raise ValueError(f"row_group_tokens must be an integer >= 1, got {row_group_tokens!r}")
+        self.directory = Path(directory)
+        self.rank = rank
+        self.row_group_tokens = row_group_tokens
+        self.fsync = fsync
+        self.dedupe = dedupe
+        self._dedupe_step: int | None = None
+        self._dedupe_seen: set[int] = set()
+        self._user_metadata: dict[str, str] = {}
+        for key, value in dict(metadata or {}).items():
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"metadata keys must be non-empty strings, got {key!r}")
+            if key in _RESERVED_METADATA:
+                raise ValueError(f"metadata key '{key}' is set by the writer")
+            try:
+                self._user_metadata[key] = json.dumps(value)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"metadata['{key}'] is not JSON-serialisable ({exc})") from None
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.files: list[Path] = []  # finished part files, in order
+        self._schema: pa.Schema | None = None
+        self._conventions: tuple[str, str] | None = None  # (source_alignment JSON, window)
+        self._step: int | None = None
+        self._seen_steps: dict[int, int] = {}
+        self._writer: pq.ParquetWriter | None = None
+        self._tmp: Path | None = None
+        self._final: Path | None = None
+        self._buffer: list[pa.RecordBatch] = []
+        self._buffered_tokens = 0
+        self._closed = False
+
+    # -- context manager ------------------------------------------------------------------------------------------
+    def __enter__(self) -> RolloutWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- public API -----------------------------------------------------------------------------------------------
+    def add(
+        self,
+        *,
+        step: int,
+        new_logp: Any,
+        old_logp: Any = None,
+        prox_logp: Any = None,
+        ref_logp: Any = None,
+        entropy: Any = None,
+        loss_mask: Any = None,
+        versions: Any = None,
+        advantages: Any = None,
+        rewards: Any = None,
+        current_version: Any = None,
+        group_id: Any = None,
+        seq_id: Any = None,
+        cu_seqlens: Any = None,
+        lengths: Any = None,
+        attention_mask: Any = None,
+        alignment: str = "token",
+        column_alignment: Mapping[str, str] | None = None,
+        window: str = "full",
+        **columns: Any,
+    ) -> int:
+        """Add the sequences of one (micro-)batch of training step ``step``.
+
+        Args:
+            step: training step (int); also names the part file and fills the ``step`` column.
+            new_logp: required. Padded ``[B, T]``, packed ``[N]`` (with ``cu_seqlens``) or a list of 1-D tensors;
+                the other per-token inputs must use the same form and shape.
+            old_logp, prox_logp, ref_logp, entropy, loss_mask, versions: per-token inputs or ``None`` (absent).
+            advantages: per token (like ``new_logp``) or per sequence (``[B]``, ``[B, 1]``, scalars).
+            rewards, current_version, group_id, seq_id: per sequence (``[B]``, ``[B, 1]``, a list, or a scalar).
+            **columns: any other schema-v1 column by name (``teacher_logp`` per token, ``eos`` per sequence, …).
+            cu_seqlens: ``[B + 1]`` offsets for packed inputs.
+            lengths: ``[B]`` true lengths of right-padded ``[B, T]`` rows.
+            attention_mask: ``[B, T]``, non-zero where a padded row has a token (any padding side).
+                Without ``lengths``/``attention_mask`` a padded row ends at its last ``loss_mask`` position.
+            alignment: ``"token"`` (value t belongs to token t) or ``"next_token"`` (to token t + 1).
+            column_alignment: per-column exceptions, e.g. ``{"versions": "token"}`` for AReaL.
+            window: ``"full"`` (prompt + response) or ``"response"`` (response only); recorded in metadata.
+
+        Returns:
+            The number of sequences added.
+
+        Raises:
+            ValueError: shapes that disagree, a bad alignment/window, or a column set, dtype or convention that
+                differs from the writer's earlier calls (the reader needs one schema per dump).
+            TypeError: ``step`` is not an integer, or a keyword that is not a schema-v1 column.
+        """
+        if self._closed:
+            raise ValueError("the writer is closed")
+        step = _as_step(step)
+        unknown = sorted(set(columns) - set(TOKEN_INPUTS) - set(SEQUENCE_INPUTS))
+        if unknown:
+            raise TypeError(f"add() got unexpected keyword(s) {', '.join(unknown)} (schema v1 columns: "
+                            f"{', '.join(COLUMNS)})")
+        inputs = {"new_logp": new_logp, "old_logp": old_logp, "prox_logp": prox_logp, "ref_logp": ref_logp,
+                  "entropy": entropy, "loss_mask": loss_mask, "versions": versions, "advantages": advantages,
+                  "rewards": rewards, "current_version": current_version, "group_id": group_id, "seq_id": seq_id,
+                  **columns}
+        aligned = _alignments(alignment, column_alignment, window)
+        layout = _Layout(
+            new_logp, cu_seqlens=cu_seqlens, lengths=lengths, attention_mask=attention_mask, loss_mask=loss_mask,
+            mask_next_token=aligned["loss_mask"] == "next_token",
+        )
+        if layout.n_sequences == 0:
+            return 0
+        cu = layout.cu_seqlens
+        # 1. every input → a packed per-token tensor or a [B] per-sequence tensor (still torch, any device)
+        token: dict[str, Tensor] = {}
+        sequence: dict[str, Tensor] = {}
+        unrolled_any = False
+        for name in TOKEN_INPUTS:
+            value = inputs.get(name)
+            if value is None:
+                continue
+            if name == "advantages" and layout.is_per_sequence(value):
+                sequence[name] = layout.per_sequence(value, name)
+                continue
+            packed = layout.pack(value, name)
+            if name == "loss_mask":
+                packed = packed != 0
+            if aligned[name] == "next_token":
+                fill: float | int | bool = {"loss_mask": False, "versions": -1}.get(name, 0.0)
+                packed = unroll_next_token(packed, cu.to(packed.device), fill)
+                unrolled_any = unrolled_any or name != "versions"
+            token[name] = packed
+        if unrolled_any:
+            # After un-rolling, the first token of every sequence has no value: never let it count.
+            first = torch.zeros(layout.n_tokens, dtype=torch.bool)
+            first[cu[:-1][layout.lengths > 0]] = True
+            mask = token.get("loss_mask")
+            token["loss_mask"] = ~first if mask is None else mask.cpu() & ~first
+        for name in SEQUENCE_INPUTS:
+            value = inputs.get(name)
+            if value is not None:
+                sequence[name] = layout.per_sequence(value, name)
+        lengths = layout.lengths
+        if self.dedupe:
+            keep = self._unseen(step, sequence.get("seq_id"))
+            if not bool(keep.all()):
+                token_keep = torch.repeat_interleave(keep, lengths, output_size=layout.n_tokens)
+                token = {k: v[token_keep.to(v.device)] for k, v in token.items()}
+                sequence = {k: v[keep.to(v.device)] for k, v in sequence.items()}
+                lengths = lengths[keep]
+                cu = cu_seqlens_from_lengths(lengths)
+            if lengths.numel() == 0:
+                return 0
+        # 2. → Arrow (host copies happen here, once)
+        n_tokens = int(cu[-1])
+        offsets = pa.array(cu.numpy().astype(np.int32) if n_tokens < _INT32.max else cu.numpy())
+        arrays: dict[str, pa.Array] = {}
+        for name, values in token.items():
+            kind = COLUMNS[name].kind
+            if kind is ColumnKind.TOKEN_MASK:
+                flat = pa.array(_mask_numpy(values))
+            elif kind is ColumnKind.TOKEN_INT:
+                flat = pa.array(_int_numpy(values, name, torch.int32))
+            else:
+                flat = pa.array(_float_numpy(values, name))
+            arrays[name] = _list_array(offsets, flat)
+        for name, values in sequence.items():
+            if COLUMNS[name].kind in (ColumnKind.SEQUENCE_FLOAT, ColumnKind.SEQUENCE_OR_TOKEN_FLOAT):
+                arrays[name] = pa.array(_float_numpy(values, name))
+            else:
+                arrays[name] = pa.array(_int_numpy(values, name, torch.int64))
+        n_sequences = int(lengths.numel())
+        arrays["step"] = pa.array(np.full(n_sequences, step, dtype=np.int64))
+        conventions = (json.dumps({"default": alignment, **dict(column_alignment or {})}, sort_keys=True), window)
+        batch = self._record_batch(arrays, conventions)
+        self._append(step, batch, n_tokens)
+        if self.dedupe:
+            self._remember(step, sequence["seq_id"])
+        return n_sequences
+
+    def _unseen(self, step: int, seq_id: Tensor | None) -> Tensor:
+        """``[B]`` bool: sequences not yet written in this step (first occurrence within the call wins)."""
+        if seq_id is None:
+            raise ValueError("dedupe=True needs seq_id (the identity of a sequence across forwards)")
+        if step != self._dedupe_step:  # only the current step is remembered: memory stays bounded
+            self._dedupe_step, self._dedupe_seen = step, set()
+        keep, local = [], set()
+        for value in seq_id.tolist():
+            keep.append(value not in self._dedupe_seen and value not in local)
+            local.add(value)
+        return torch.tensor(keep, dtype=torch.bool)
+
+    def _remember(self, step: int, seq_id: Tensor) -> None:
+        if step == self._dedupe_step:
+            self._dedupe_seen.update(seq_id.tolist())
+
+    def flush(self) -> None:
+        """Finish the current step's part file now (it is renamed into place and readable)."""
+        self._finish()
+
+    def close(self) -> None:
+        """Finish the last part file. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._finish()
+        finally:
+            self._closed = True
+
+    # -- internals ------------------------------------------------------------------------------------------------
+    def _record_batch(self, columns: dict[str, pa.Array], conventions: tuple[str, str]) -> pa.RecordBatch:
+        names = [name for name in COLUMNS if name in columns]
+        if self._schema is None:
+            fields = [pa.field(name, columns[name].type, nullable=False) for name in names]
+            self._schema = pa.schema(fields)
+            self._conventions = conventions
+        schema = self._schema
+        if names != schema.names:
+            raise ValueError(
+                f"columns {names} differ from this writer's earlier calls {schema.names} "
+                "(every part file of a dump needs the same columns)"
+            )
+        if conventions != self._conventions:
+            raise ValueError(
+                f"alignment/window {conventions} differ from this writer's earlier calls {self._conventions}"
+            )
+        arrays = []
+        for field in schema:
+            array = columns[field.name]
+            if array.type != field.type:
+                if _kind(array.type) != _kind(field.type):
+                    raise ValueError(
+                        f"{field.name}: {array.type} differs from this writer's earlier calls ({field.type}); "
+                        "e.g. advantages must be per token in every call or per sequence in every call"
+                    )
+                array = array.cast(field.type)
+            arrays.append(array)
+        return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+    def _metadata(self, step: int) -> dict[str, str]:
+        assert self._conventions is not None
+        meta = {f"{METADATA_PREFIX}{k}": v for k, v in self._user_metadata.items()}
+        source_alignment, window = self._conventions
+        meta.update({
+            f"{METADATA_PREFIX}schema_version": json.dumps(SCHEMA_VERSION),
+            f"{METADATA_PREFIX}writer": json.dumps(f"grpo-cli {__version__}"),
+            f"{METADATA_PREFIX}rank": json.dumps(self.rank),
+            f"{METADATA_PREFIX}step": json.dumps(step),
+            f"{METADATA_PREFIX}alignment": json.dumps("token"),
+            f"{METADATA_PREFIX}source_alignment": source_alignment,
+            f"{METADATA_PREFIX}window": json.dumps(window),
+        })
+        return meta
+
+    def _append(self, step: int, batch: pa.RecordBatch, n_tokens: int) -> None:
+        if self._step is not None and step != self._step:
+            self._finish()
+        if self._step is None:
+            self._start(step)
+        self._buffer.append(batch)
+        self._buffered_tokens += n_tokens
+        if self._buffered_tokens >= self.row_group_tokens:
+            self._write_row_group()
+
+    def _start(self, step: int) -> None:
+        visits = self._seen_steps.get(step, 0)
+        self._seen_steps[step] = visits + 1
+        suffix = f"-{visits}" if visits else ""
+        name = f"part-step{step:06d}-rank{self.rank:03d}{suffix}.parquet"
+        self._step = step
+        self._final = self.directory / name
+        # Hidden and not ending in .parquet, so a concurrent reader's directory scan never picks it up.
+        self._tmp = self.directory / f".{name}.{os.getpid()}.tmp"
+
+    def _write_row_group(self) -> None:
+        if not self._buffer:
+            return
+        assert self._schema is not None and self._tmp is not None and self._step is not None
+        table = pa.Table.from_batches(self._buffer, schema=self._schema)
+        try:
+            if self._writer is None:
+                schema = self._schema.with_metadata(self._metadata(self._step))
+                self._writer = pq.ParquetWriter(self._tmp, schema, **fast_write_options(schema))
+            self._writer.write_table(table, row_group_size=max(table.num_rows, 1))
+        except BaseException:
+            self._abort()
+            raise
+        self._buffer.clear()
+        self._buffered_tokens = 0
+
+    def _finish(self) -> None:
+        if self._step is None:
+            return
+        try:
+            self._write_row_group()
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+                assert self._tmp is not None and self._final is not None
+                if self.fsync:
+                    fd = os.open(self._tmp, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                os.replace(self._tmp, self._final)
+                self.files.append(self._final)
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            self._step = None
+            self._tmp = self._final = None
+
+    def _abort(self) -> None:
+        """Drop the unfinished part file (nothing half-written is ever renamed into place)."""
+        if self._writer is not None:
+            with contextlib.suppress(Exception):  # the original error matters more
+                self._writer.close()
+            self._writer = None
+        if self._tmp is not None:
+            self._tmp.unlink(missing_ok=True)
+        self._buffer.clear()
+        self._buffered_tokens = 0
+        self._step = None
+        self._tmp = self._final = None
+
+
+def _list_array(offsets: pa.Array, flat: pa.Array) -> pa.Array:
+    if pa.types.is_int64(offsets.type):
+        return pa.LargeListArray.from_arrays(offsets, flat, type=pa.large_list(pa.field("element", flat.type, False)))
+    return pa.ListArray.from_arrays(offsets, flat, type=_list_type(flat.type))
+
+
+def _kind(dtype: pa.DataType) -> str:
+    is_list = pa.types.is_list(dtype) or pa.types.is_large_list(dtype)
+    inner = dtype.value_type if is_list else dtype
+    kind = "float" if pa.types.is_floating(inner) else "int" if pa.types.is_integer(inner) else str(inner)
+    return f"list<{kind}>" if is_list else kind
+
+
+def _as_step(step: Any) -> int:
+    if isinstance(step, Tensor) and step.numel() == 1 and not step.is_floating_point():
+        step = int(step.item())
+    if isinstance(step, np.integer):
+        step = int(step)
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an integer, got {type(step).__name__}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return step
+
+
+def _alignments(alignment: str, column_alignment: Mapping[str, str] | None, window: str) -> dict[str, str]:
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
+    if window not in WINDOWS:
+        raise ValueError(f"window must be one of {WINDOWS}, got {window!r}")
+    out = dict.fromkeys(TOKEN_INPUTS, alignment)
+    for name, value in dict(column_alignment or {}).items():
+        if name not in TOKEN_INPUTS:
+            raise ValueError(f"column_alignment: '{name}' is not a per-token input ({', '.join(TOKEN_INPUTS)})")
+        if value not in ALIGNMENTS:
+            raise ValueError(f"column_alignment['{name}'] must be one of {ALIGNMENTS}, got {value!r}")
+        out[name] = value
+    if window == "response" and "next_token" in out.values():
+        raise ValueError(
+            "next_token alignment needs window='full': in a response-only window the value of the first response "
+            "token sits at the last prompt position, outside the window"
+        )
+    return out
