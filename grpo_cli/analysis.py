@@ -13,12 +13,20 @@ from typing import Any, Protocol
 
 import torch
 
+from grpo_cli.areal_groups import ActorStatsGroup
 from grpo_cli.core.batch import TokenBatch
+from grpo_cli.core.histogram import QUANTILE_REL_ERROR
 from grpo_cli.core.policy_stats import policy_stats_compute, policy_stats_state, policy_stats_update
+from grpo_cli.core.staleness import MAX_LAG
 from grpo_cli.core.state import MetricState, count
+from grpo_cli.distill_groups import DistillGroup
 from grpo_cli.errors import UsageError
 from grpo_cli.io.reader import DEFAULT_BATCH_TOKENS, RolloutDataset, Shard
 from grpo_cli.io.schema import COLUMNS, ColumnKind
+from grpo_cli.io.validate import BatchValidator, OnInvalid, ValidationGroup, require_data
+from grpo_cli.loss_groups import LOSS_NAMES, LossGroup
+from grpo_cli.offpolicy_groups import offpolicy_groups
+from grpo_cli.options import PPOOptions, check_finite
 
 GROUP_BY_COLUMNS = tuple(name for name, spec in COLUMNS.items() if spec.kind is ColumnKind.SEQUENCE_INT)
 """Per-sequence integer columns ``--group-by`` accepts."""
@@ -37,23 +45,57 @@ __all__ = [
 
 
 @dataclass
-class AnalyzeConfig:
-    """Every option that changes a figure (reported in the JSON ``config``)."""
+class AnalyzeConfig(PPOOptions):
+    """Every option that changes a figure (reported in the JSON ``config``).
 
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
+    Besides :class:`~grpo_cli.options.PPOOptions` (clip widths, dual clip, importance level, rejection sampling):
+    ``losses`` selects the ``loss/*`` figures (``None``: all the data allows); ``beta``, ``tau_pos``, ``tau_neg`` and
+    ``max_completion_length`` are the GRPO-family loss objects' parameters (``docs/losses.md``).
+    """
+
     temperature: float = 1.0
     top_k: int = 10
     batch_tokens: int = DEFAULT_BATCH_TOKENS
     device: str = "cpu"
     group_by: str | None = None
     max_groups: int = 100_000
+    losses: tuple[str, ...] | None = None
+    beta: float = 0.0
+    tau_pos: float = 1.0
+    tau_neg: float | None = None
+    max_completion_length: int = 1024
+    on_invalid: str = "error"
+    kl_clamp: float | None = None
+    is_threshold: float = 2.0
+    m2_threshold: float | None = None
+    current_version: int | None = None
+    distill_weight: float = 0.005
+    rl_weight: float = 1.0
+    max_new_tokens: int | None = None
 
     def validate(self) -> None:
-        if not self.epsilon >= 0:
-            raise UsageError(f"--epsilon must be >= 0, got {self.epsilon}")
-        if self.epsilon_high is not None and not self.epsilon_high >= 0:
-            raise UsageError(f"--epsilon-high must be >= 0, got {self.epsilon_high}")
+        self.validate_ppo()
+        if self.kl_clamp is not None:
+            check_finite(self.kl_clamp, "--kl-clamp", above=0)
+        check_finite(self.is_threshold, "--is-threshold", minimum=1)
+        if self.m2_threshold is not None:
+            check_finite(self.m2_threshold, "--m2-threshold")
+        if self.on_invalid not in tuple(OnInvalid):
+            raise UsageError(f"--on-invalid must be 'error' or 'skip', got '{self.on_invalid}'")
+        check_finite(self.beta, "--beta", minimum=0)
+        check_finite(self.distill_weight, "--distill-weight", minimum=0)
+        check_finite(self.rl_weight, "--rl-weight", minimum=0)
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        check_finite(self.tau_pos, "--tau-pos", above=0)
+        if self.tau_neg is not None:
+            check_finite(self.tau_neg, "--tau-neg", above=0)
+        if self.max_completion_length < 1:
+            raise UsageError(f"--max-completion-length must be >= 1, got {self.max_completion_length}")
+        if self.losses is not None:
+            unknown = [name for name in self.losses if name not in LOSS_NAMES]
+            if unknown:
+                raise UsageError(f"--loss: unknown {', '.join(unknown)} (choose from {', '.join(LOSS_NAMES)})")
         if not self.temperature > 0:
             raise UsageError(f"--temperature must be > 0, got {self.temperature}")
         if self.top_k < 0:
@@ -63,16 +105,16 @@ class AnalyzeConfig:
         if self.group_by is not None and self.group_by not in GROUP_BY_COLUMNS:
             raise UsageError(f"--group-by must be one of {', '.join(GROUP_BY_COLUMNS)}, got '{self.group_by}'")
 
-    @property
-    def eps_high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
-
     def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = self.ppo_json(asdict(self))
         out.pop("device")  # where it ran does not change a figure
         out.pop("batch_tokens")
         out.pop("max_groups")
-        out["epsilon_high"] = self.eps_high
+        out["losses"] = list(LOSS_NAMES if self.losses is None else self.losses)
+        out["tau_neg"] = self.tau_pos if self.tau_neg is None else self.tau_neg
+        # How the off-policy figures are binned (grpo_cli.core.histogram / .staleness), not options.
+        out["quantile_rel_error"] = QUANTILE_REL_ERROR
+        out["staleness_max_lag"] = MAX_LAG
         return out
 
 
@@ -175,7 +217,10 @@ class PolicyGroup:
 
 def default_groups() -> list[MetricGroup]:
     """The metric groups ``analyze`` runs, in report order."""
-    return [CountsGroup(), PolicyGroup()]
+    return [
+        ValidationGroup(), CountsGroup(), PolicyGroup(), LossGroup(), *offpolicy_groups(), DistillGroup(),
+        ActorStatsGroup(),
+    ]
 
 
 @dataclass
@@ -236,9 +281,17 @@ def accumulate_states(
         if config.group_by not in dataset.columns:
             raise UsageError(f"--group-by {config.group_by}: the dump has no '{config.group_by}' column")
         wanted.add(config.group_by)
-    for batch in dataset.iter_batches(columns=wanted, batch_tokens=config.batch_tokens, shards=shards):
+    # Validation sits between the reader and every group (io/validate.py): it sees the raw loss-mask values, and
+    # under --on-invalid skip it drops sequences before any figure (or group_by key) sees them.
+    validator = BatchValidator.for_dataset(dataset, config.on_invalid, getattr(config, "current_version", None))
+    skip_counts = next((s for g, s in zip(groups, acc.overall) if isinstance(g, ValidationGroup)), None)
+    for batch in dataset.iter_batches(
+        columns=wanted, batch_tokens=config.batch_tokens, shards=shards, raw_mask=True
+    ):
+        n_tokens = batch.n_tokens
         if batch.device != device:
             batch = batch.to(device, non_blocking=True)
+        batch = validator(batch, skip_counts)
         _update_all(groups, acc.overall, batch, config)
         if config.group_by is not None:
             keys = getattr(batch, config.group_by)
@@ -251,7 +304,7 @@ def accumulate_states(
                     acc.by_key[key] = [group.init_state(config, device) for group in groups]
                 _update_all(groups, acc.by_key[key], batch.select_sequences(keys == key), config)
         if progress is not None:
-            progress(batch.n_tokens)
+            progress(n_tokens)
     return acc
 
 
@@ -266,8 +319,9 @@ def _figures(
         metrics.update({k: v for k, v in figures.items() if k not in reasons})
         omitted.update(reasons)
     if metrics.get("n_valid_tokens", 0) == 0:
-        omitted.update({k: "no valid tokens (loss_mask is 0 everywhere)" for k in list(metrics) if "/" in k})
-        metrics = {k: v for k, v in metrics.items() if "/" not in k}
+        hidden = [k for k in metrics if "/" in k and not k.startswith("invalid/")]
+        omitted.update(dict.fromkeys(hidden, "no valid tokens (loss_mask is 0 everywhere)"))
+        metrics = {k: v for k, v in metrics.items() if k not in hidden}
     return metrics, omitted
 
 
@@ -279,8 +333,10 @@ def finalize(
 ) -> AnalysisResult:
     """Compute every group's figures from merged states and collect the omitted keys with reasons."""
     metrics, omitted = _figures(dataset, config, groups, acc.overall)
+    require_data(metrics, [str(p) for p in dataset.files])  # zero rows / all skipped / no valid tokens: exit 2
     by_key = [
-        {"key": key, "metrics": _figures(dataset, config, groups, acc.by_key[key])[0]} for key in sorted(acc.by_key)
+        {"key": key, "metrics": _without_skip_counts(_figures(dataset, config, groups, acc.by_key[key])[0])}
+        for key in sorted(acc.by_key)
     ]
     return AnalysisResult(
         metrics=metrics,
@@ -290,6 +346,11 @@ def finalize(
         columns=sorted(dataset.columns),
         groups=by_key,
     )
+
+
+def _without_skip_counts(metrics: dict[str, Any]) -> dict[str, Any]:
+    # Sequences are dropped before they are split by key, so skip counts exist for the whole dump only.
+    return {k: v for k, v in metrics.items() if not k.startswith("invalid/")}
 
 
 def analyze(

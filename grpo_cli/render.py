@@ -144,6 +144,55 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+_BARS = " ▁▂▃▄▅▆▇█"
+
+
+def sparkline(counts: list[int]) -> str:
+    """One character per count, scaled to the largest; any non-zero count shows at least ``▁``."""
+    top = max(counts, default=0)
+    if top <= 0:
+        return " " * len(counts)
+    return "".join(_BARS[0 if c <= 0 else max(1, math.ceil(8 * c / top))] for c in counts)
+
+
+def render_distributions(console: Console, metrics: Mapping[str, Any]) -> None:
+    """The ``*/hist`` figures as one-line text histograms, and ``by_staleness`` as a table (issue 4 §4, §5)."""
+    table = Table(title="Distributions", title_justify="left", expand=False)
+    for column, justify in (("distribution", "left"), ("from", "right"), ("histogram", "left"), ("to", "left")):
+        table.add_column(column, justify=justify, no_wrap=True)
+    table.add_column("outside", style="dim")
+    for key, hist in metrics.items():
+        if not key.endswith("/hist"):
+            continue
+        if isinstance(hist, dict):  # log-spaced view of a value distribution
+            outside = f"{hist['below']:,} below ({hist['zero']:,} zero), {hist['above']:,} above"
+            edges = hist["edges"]
+            table.add_row(key, format_value(edges[0]), sparkline(hist["counts"]), format_value(edges[-1]), outside)
+        elif hist:  # tokens per lag
+            lags = [r for r in hist if not (r.get("overflow") or r.get("underflow"))]
+            extra = [r for r in hist if r.get("overflow") or r.get("underflow")]
+            per_lag = {r["lag"]: r["n_tokens"] for r in lags}
+            low, high = (min(per_lag), max(per_lag)) if per_lag else (0, -1)
+            counts = [per_lag.get(lag, 0) for lag in range(low, high + 1)]
+            outside = ", ".join(
+                f"{'≥' if r.get('overflow') else '<'}{max(r['lag'], 0)}: {r['n_tokens']:,}" for r in extra
+            )
+            table.add_row(key, f"lag {low}", sparkline(counts), f"lag {high}", outside)
+    if table.row_count:
+        console.print(table)
+    rows = metrics.get("by_staleness")
+    if rows:
+        fields = [f for f in ("n_tokens", "kl/k3", "clip/ratio", "is/mean", "abs_diff/mean") if f in rows[0]]
+        table = Table(title="By staleness (lag = current − version)", title_justify="left", expand=False)
+        table.add_column("lag", justify="right", style="cyan")
+        for name in fields:
+            table.add_column(name, justify="right")
+        for row in rows:
+            lag = f"≥{row['lag']}" if row.get("overflow") else "<0" if row.get("underflow") else str(row["lag"])
+            table.add_row(lag, *(format_value(row[name]) for name in fields))
+        console.print(table)
+
+
 def render_table(
     console: Console,
     *,
@@ -152,8 +201,13 @@ def render_table(
     omitted: Mapping[str, str],
     inputs: list[str],
     config: Mapping[str, Any],
+    sources: Mapping[str, str] | None = None,
 ) -> None:
-    """Figures grouped in sections with one-line meanings, then what was not computed and why."""
+    """Figures grouped in sections with one-line meanings, then what was not computed and why.
+
+    ``sources`` maps displayed keys renamed by ``--names`` to grpo-cli's keys (for their section and meaning).
+    """
+    sources = sources or {}
     config_text = ", ".join(f"{k}={format_value(v)}" for k, v in config.items())
     console.print(Text(f"{title} — {len(inputs)} file(s): {', '.join(inputs[:3])}{' …' if len(inputs) > 3 else ''}"))
     console.print(Text(f"config: {config_text}", style="dim"))
@@ -161,7 +215,7 @@ def render_table(
     for key in metrics:
         if isinstance(metrics[key], (list, dict)):
             continue
-        by_section.setdefault(section_of(key), []).append(key)
+        by_section.setdefault(section_of(sources.get(key, key)), []).append(key)
     order = list(SECTIONS) + [s for s in by_section if s not in SECTIONS]
     for section in order:
         keys = by_section.get(section)
@@ -172,8 +226,11 @@ def render_table(
         table.add_column("value", justify="right", no_wrap=True)
         table.add_column("meaning", style="dim")
         for key in keys:
-            table.add_row(key, format_value(metrics[key]), KEYS[key].meaning if key in KEYS else "")
+            origin = sources.get(key, key)
+            meaning = KEYS[origin].meaning if origin in KEYS else ""
+            table.add_row(key, format_value(metrics[key]), f"{origin}: {meaning}" if origin != key else meaning)
         console.print(table)
+    render_distributions(console, metrics)
     top = metrics.get("top_kl")
     if top:
         table = Table(title="Highest-KL tokens (k3 vs old)", title_justify="left")

@@ -106,7 +106,7 @@ def test_table_and_csv(capsys, dump, tmp_path):
     "args, message",
     [
         (["analyze", "/nonexistent.parquet"], "no such file"),
-        (["analyze", "{path}", "--epsilon", "-1"], "--epsilon must be >= 0"),
+        (["analyze", "{path}", "--epsilon", "-1"], "--epsilon must be a finite number >= 0"),
         (["analyze", "{path}", "--temperature", "0"], "--temperature must be > 0"),
         (["analyze", "{path}", "--map", "bogus=x"], "unknown column 'bogus'"),
         (["analyze", "{path}", "-o", "/nonexistent-dir/x.json"], "cannot write"),
@@ -115,7 +115,7 @@ def test_table_and_csv(capsys, dump, tmp_path):
 )
 def test_errors_exit_2_with_one_line(capsys, dump, args, message):
     path, _ = dump
-    code, out, err = run(capsys, *[a.replace("{path}", str(path)) for a in args])
+    code, _, err = run(capsys, *[a.replace("{path}", str(path)) for a in args])
     assert code == 2
     assert message in err
     assert "Traceback" not in err

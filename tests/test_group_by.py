@@ -34,7 +34,7 @@ def test_groups_match_reference_per_step(capsys, tmp_path):
             assert group["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (group["key"], key)
         assert group["metrics"]["n_sequences"] == len(subset)
     # The overall figures are unchanged by grouping.
-    code, plain, _ = run(capsys, "analyze", path, "-f", "json")
+    code, plain, _ = run(capsys, "analyze", path, "-f", "json", "--batch-tokens", 50)
     assert json.loads(plain)["metrics"] == doc["metrics"]
 
 

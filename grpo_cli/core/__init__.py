@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from grpo_cli.core.adv_check import StreamingNormalization, StreamingWhiten
 from grpo_cli.core.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageConfig,
@@ -20,6 +21,7 @@ from grpo_cli.core.advantages import (
     sequence_to_tokens,
 )
 from grpo_cli.core.aggregate import AGG_MODES, aggregate_loss, aggregate_loss_terms
+from grpo_cli.core.distill import distill_loss, distill_loss_terms, joint_distill_loss
 from grpo_cli.core.grpo_family import (
     GRPO_VARIANTS,
     LOG_RATIO_CLAMP,
@@ -59,6 +61,14 @@ from grpo_cli.core.prox import (
     prox_interpolation_alpha,
     reduce_prox_errors,
 )
+from grpo_cli.core.prox_compare import (
+    P99_REL_ERROR_BOUND,
+    max_safe_lag,
+    prox_compare_compute,
+    prox_compare_state,
+    prox_compare_update,
+    rejection_changes,
+)
 from grpo_cli.core.rejection import RejectionSamplingConfig, apply_rejection_sampling, m2po_mask
 from grpo_cli.core.rewards import (
     KL_ESTIMATORS,
@@ -85,6 +95,11 @@ __all__ = [
     "rloo_advantages",
     "roll_to_next_token",
     "sequence_to_tokens",
+    "StreamingNormalization",
+    "StreamingWhiten",
+    "distill_loss",
+    "distill_loss_terms",
+    "joint_distill_loss",
     "KL_ESTIMATORS",
     "KL_REWARD_CLAMP",
     "kl_regularized_rewards",
@@ -123,6 +138,12 @@ __all__ = [
     "prox_importance_weights",
     "prox_interpolation_alpha",
     "reduce_prox_errors",
+    "P99_REL_ERROR_BOUND",
+    "max_safe_lag",
+    "prox_compare_compute",
+    "prox_compare_state",
+    "prox_compare_update",
+    "rejection_changes",
     "sapo_loss",
     "sapo_loss_terms",
     "segment_ids",

@@ -17,8 +17,10 @@ from grpo_cli.core.packing import cu_seqlens_from_lengths, segment_ids
 
 __all__ = ["PER_SEQUENCE_COLUMNS", "PER_TOKEN_COLUMNS", "TokenBatch"]
 
-PER_TOKEN_COLUMNS = ("new_logp", "old_logp", "prox_logp", "ref_logp", "entropy", "versions", "advantages")
-PER_SEQUENCE_COLUMNS = ("rewards", "current_version", "step", "group_id", "seq_id")
+PER_TOKEN_COLUMNS = (
+    "new_logp", "old_logp", "prox_logp", "ref_logp", "entropy", "versions", "advantages", "teacher_logp"
+)
+PER_SEQUENCE_COLUMNS = ("rewards", "current_version", "step", "group_id", "seq_id", "eos")
 
 
 @dataclass
@@ -34,6 +36,8 @@ class TokenBatch:
         advantages: ``[N]`` float per token (per-sequence advantages are broadcast) or ``None``.
         rewards: ``[B]`` float or ``None``.
         current_version, step, group_id, seq_id: ``[B]`` int64 or ``None``.
+        teacher_logp: ``[N]`` teacher-model log-probs (distillation) or ``None``.
+        eos: ``[B]`` int64, 1 where the sequence ended with EOS, 0 where it was cut off, or ``None``.
         file_index: index of the source file in the sorted input list.
         rows: ``[B]`` int64 row of each sequence in its file (for token-per-row files, its first token's row).
         positions: ``[N]`` int64 position of each token within its sequence (set on valid views only).
@@ -53,6 +57,8 @@ class TokenBatch:
     step: Tensor | None = None
     group_id: Tensor | None = None
     seq_id: Tensor | None = None
+    teacher_logp: Tensor | None = None
+    eos: Tensor | None = None
     file_index: int = 0
     rows: Tensor | None = None
     positions: Tensor | None = field(default=None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +82,9 @@ class RolloutDataset:
     Args:
         paths: files, directories or glob patterns.
         column_map: ``{canonical: actual}`` renames (``--map``).
+        transforms: functions applied, in order, to every batch :meth:`iter_batches` yields (a ``--preset``'s
+            conventions, e.g. un-rolling next-token-aligned columns; ``grpo_cli.io.presets``). Each must keep
+            whole sequences and may change their lengths.
 
     Example:
         >>> ds = RolloutDataset(["sample_data/rollouts.parquet"])  # doctest: +SKIP
@@ -89,8 +92,14 @@ class RolloutDataset:
         ...     print(batch.n_sequences, batch.n_tokens)
     """
 
-    def __init__(self, paths: Sequence[str | os.PathLike[str]], column_map: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        paths: Sequence[str | os.PathLike[str]],
+        column_map: dict[str, str] | None = None,
+        transforms: Sequence[Callable[[TokenBatch], TokenBatch]] = (),
+    ) -> None:
         self.column_map = dict(column_map or {})
+        self.transforms = list(transforms)
         self.files = expand_paths(paths)
         self._infos = [self._inspect(path) for path in self.files]
         first = self._infos[0]
@@ -189,6 +198,7 @@ class RolloutDataset:
         columns: Iterable[str] | None = None,
         batch_tokens: int = DEFAULT_BATCH_TOKENS,
         shards: Sequence[Shard] | None = None,
+        raw_mask: bool = False,
     ) -> Iterator[TokenBatch]:
         """Yield packed batches of whole sequences, each about ``batch_tokens`` tokens (at least one sequence).
 
@@ -196,6 +206,9 @@ class RolloutDataset:
             columns: canonical columns to read (default: all present). ``new_logp`` is always read.
             batch_tokens: token budget per batch.
             shards: the work units to read (default: all, in file and row-group order).
+            raw_mask: keep an integer ``loss_mask`` column's values as read (its own dtype, also through the
+                transforms) instead of ``!= 0``, so that :class:`grpo_cli.io.validate.BatchValidator` can reject
+                values other than 0/1; the validator then makes it the bool mask every consumer expects.
         """
         if batch_tokens < 1:
             raise ValueError("batch_tokens must be >= 1")
@@ -204,13 +217,20 @@ class RolloutDataset:
         for shard in self.shards() if shards is None else shards:
             info = self._infos[shard.file_index]
             if info.layout is Layout.SEQUENCE_PER_ROW:
-                yield from self._iter_sequence_rows(info, shard, wanted, batch_tokens)
+                batches = self._iter_sequence_rows(info, shard, wanted, batch_tokens)
             else:
-                yield from self._iter_token_rows(info, shard, wanted, batch_tokens)
+                batches = self._iter_token_rows(info, shard, wanted, batch_tokens)
+            for batch in batches:
+                if not raw_mask and batch.loss_mask.dtype != torch.bool:
+                    batch.loss_mask = batch.loss_mask != 0
+                for transform in self.transforms:
+                    batch = transform(batch)
+                yield batch
 
     def _open(self, info: _FileInfo) -> pq.ParquetFile:
         try:
-            return pq.ParquetFile(info.path, memory_map=True)
+            # Page CRCs, where the writer stored them, turn a corrupted data page into an error instead of numbers.
+            return pq.ParquetFile(info.path, memory_map=True, page_checksum_verification=True)
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"cannot open ({_first_line(exc)})", file=str(info.path)) from None
 
@@ -313,7 +333,8 @@ def _type_problem(kind: ColumnKind, dtype: pa.DataType, layout: Layout) -> str |
         return expect(f"{kind.value} (a scalar per row)")
     if kind is ColumnKind.SEQUENCE_FLOAT:
         return None if _is_float(inner) or _is_int(inner) else expect(kind.value)
-    return None if _is_int(inner) else expect(kind.value)
+    # Per-sequence ints may be stored as bools (an 'eos' flag); they are read as 0/1.
+    return None if _is_int(inner) or pa.types.is_boolean(inner) else expect(kind.value)
 
 
 def _leaf_index(md: pq.FileMetaData, name: str) -> int:
@@ -379,10 +400,6 @@ def _scalar_column(info: _FileInfo, canonical: str, array: pa.Array, row0: int) 
     return _to_tensor(array)
 
 
-def _as_mask(values: Tensor) -> Tensor:
-    return values if values.dtype == torch.bool else values != 0
-
-
 def _as_float(values: Tensor) -> Tensor:
     return values if values.is_floating_point() else values.to(torch.float64)
 
@@ -421,7 +438,8 @@ def _sequence_batch(
 def _make_batch(data: dict[str, Tensor], cu_seqlens: Tensor, file_index: int, rows: Tensor) -> TokenBatch:
     n_tokens = data["new_logp"].numel()
     mask = data.pop("loss_mask", None)
-    mask = torch.ones(n_tokens, dtype=torch.bool) if mask is None else _as_mask(mask)
+    # An integer mask keeps its values (iter_batches converts it, or the validator after checking it is 0/1).
+    mask = torch.ones(n_tokens, dtype=torch.bool) if mask is None else mask
     kwargs: dict[str, Tensor] = {}
     for canonical, values in data.items():
         kind = COLUMNS[canonical].kind

@@ -42,6 +42,7 @@ COLUMNS: dict[str, ColumnSpec] = {
         ColumnSpec("prox_logp", ColumnKind.TOKEN_FLOAT, "recomputed proximal-policy log-prob (decoupled PPO)"),
         ColumnSpec("ref_logp", ColumnKind.TOKEN_FLOAT, "reference-policy log-prob"),
         ColumnSpec("entropy", ColumnKind.TOKEN_FLOAT, "token entropy of π_θ"),
+        ColumnSpec("teacher_logp", ColumnKind.TOKEN_FLOAT, "teacher-model log-prob (distillation)"),
         ColumnSpec("loss_mask", ColumnKind.TOKEN_MASK, "1 = response token that enters the loss"),
         ColumnSpec("versions", ColumnKind.TOKEN_INT, "policy version that generated the token; −1 for prompt"),
         ColumnSpec("advantages", ColumnKind.SEQUENCE_OR_TOKEN_FLOAT, "advantage per sequence or per token"),
@@ -50,6 +51,7 @@ COLUMNS: dict[str, ColumnSpec] = {
         ColumnSpec("step", ColumnKind.SEQUENCE_INT, "training step"),
         ColumnSpec("group_id", ColumnKind.SEQUENCE_INT, "GRPO group (prompt) id"),
         ColumnSpec("seq_id", ColumnKind.SEQUENCE_INT, "sequence id (groups rows in the token-per-row layout)"),
+        ColumnSpec("eos", ColumnKind.SEQUENCE_INT, "1 = the sequence ended with EOS, 0 = cut off (bool or int)"),
     )
 }
 
