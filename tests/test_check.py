@@ -15,7 +15,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 from reference import Seq, policy_reference, random_sequences, write_sequences
 
 from grpo_cli.check import (
@@ -31,16 +30,6 @@ from grpo_cli.cli import main
 from grpo_cli.errors import UsageError
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These dumps are tiny: torch's intra-op threads only add OpenMP spin-waits, which on a busy 2-core machine make
-    # small ops (repeat_interleave) up to 100x slower. Figures do not depend on the thread count.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def run(capsys, *args):

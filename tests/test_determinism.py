@@ -32,15 +32,6 @@ from grpo_cli.io import RolloutDataset
 REL, ABS = 1e-12, 1e-14
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Small inputs: torch's intra-op threads only add overhead here, and stall badly on a loaded 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def analyze_json(capsys, *args) -> str:
     code = main(["analyze", *[str(a) for a in args], "-f", "json"])
     out, err = capsys.readouterr()

@@ -19,21 +19,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 from reference import Seq, policy_reference, random_sequences, write_sequences
 
 from grpo_cli.cli import main
 
 F32 = pa.list_(pa.float32())
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Small inputs: torch's intra-op threads only add overhead here, and stall badly on a loaded 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def run(capsys, *args):

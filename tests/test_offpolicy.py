@@ -51,16 +51,6 @@ from grpo_cli.core.sequences import sequence_stats_compute, sequence_stats_state
 from grpo_cli.core.staleness import MAX_LAG, staleness_compute, staleness_state, staleness_update
 from grpo_cli.core.state import Reduce
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and thrash on a shared 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # -- helpers ---------------------------------------------------------------------------------------------------------
 
 

@@ -6,22 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from reference import exact_lower_quantile, offpolicy_reference, random_sequences, write_sequences
 
 from grpo_cli.cli import main
 from grpo_cli.core.histogram import QUANTILE_REL_ERROR
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data" / "rollouts.parquet"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and thrash on a shared 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def run(capsys, *args):

@@ -32,15 +32,6 @@ CONFIG = AnalyzeConfig(top_k=4, on_invalid="error")
 REL = 1e-12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny batches: intra-op threads only add scheduling overhead (and stall on a loaded 2-core machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # -- data ------------------------------------------------------------------------------------------------------
 def make_sequences(seed: int, n_seq: int) -> list[dict[str, Any]]:
     """Plausible sequences with every column: log-probs ≤ 0, versions within [−1, current], a few groups."""
