@@ -5,7 +5,7 @@ The math lives in the core (:mod:`grpo_cli.core.rewards`, :mod:`grpo_cli.core.ad
 groups and whole training batches, which streaming by row group may split, so the check runs in passes:
 
 1. one pass collects the per-sequence scalars — reward, ``group_id``, ``step`` (the training batch), ``eos``,
-   response length and location — for every sequence: **O(n_sequences) memory** (about 50 bytes per sequence), never
+   response length and location — for every sequence: **O(n_sequences) memory** (about 100 bytes per sequence), never
    per-token tensors of the whole dump. Reward shaping, ``reward_norm`` and the per-sequence estimators (GRPO,
    Dr.GRPO, RLOO) run on these arrays at once, so a group split across row groups or files is still one group;
 2. per-token estimators whose result is normalised over a training batch (GAE with ``adv_norm``, REINFORCE++'s
