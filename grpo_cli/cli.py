@@ -72,7 +72,7 @@ def _root(
     ] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks of internal errors.")] = False,
 ) -> None:
-    _state["debug"] = debug
+    _state["debug"] = _state["debug"] or debug
 
 
 # -- shared option types ------------------------------------------------------------------------------------------
@@ -846,7 +846,10 @@ def sample(
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the app and map every failure to one line on stderr and an exit code."""
     args = sys.argv[1:] if argv is None else list(argv)
+    # --debug is honoured anywhere on the line (also after the command), so it is taken out before parsing.
     _state["debug"] = "--debug" in args
+    if _state["debug"]:
+        args = [arg for arg in args if arg != "--debug"]
     command = typer.main.get_command(app)
     try:
         # Standalone mode: the parser reports usage errors itself (exit 2) and exits through SystemExit.

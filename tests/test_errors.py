@@ -397,8 +397,11 @@ def test_internal_error_is_one_line_unless_debug(capsys, tmp_path, monkeypatch):
     code, out, err = run(capsys, "analyze", path)
     assert code == 2 and out == ""
     assert err.strip() == "grpo-cli: internal error: RuntimeError: boom (rerun with --debug for the traceback)"
-    code, _, err = run(capsys, "--debug", "analyze", path)
-    assert code == 2 and "Traceback (most recent call last)" in err and "RuntimeError: boom" in err
+    for args in (("--debug", "analyze", path), ("analyze", path, "--debug")):  # --debug is honoured anywhere
+        code, _, err = run(capsys, *args)
+        assert code == 2 and "Traceback (most recent call last)" in err and "RuntimeError: boom" in err
+    code, _, err = run(capsys, "analyze", path)  # and does not stick to the next in-process call
+    assert "Traceback" not in err
 
 
 def test_python_m_entry_point_never_shows_a_traceback(tmp_path):
