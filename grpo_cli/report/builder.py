@@ -1,0 +1,247 @@
+"""What a report shows, computed once: one ``analyze`` pass (per step), one ``compare-prox`` pass, check rules.
+
+The figures come from the library functions the commands use (:func:`grpo_cli.analysis.analyze`,
+:func:`grpo_cli.compare_prox.compare_prox`); the health verdicts evaluate ``check``'s rules
+(:func:`grpo_cli.check.evaluate_rule`) on those same figures instead of streaming the dump again. Only a rule with
+``per`` on a column other than ``step`` needs one more ``analyze`` pass, grouped by that column (as ``check`` does).
+
+Example:
+    >>> from grpo_cli.io.reader import RolloutDataset
+    >>> from grpo_cli.check import preset
+    >>> rules = [("sanity", preset("sanity"))]
+    >>> analyze_config, prox_config, strict = report_configs(rules)  # doctest: +SKIP
+    >>> report = build_report(RolloutDataset(["sample_data/rollouts.parquet"]), rules, analyze_config,
+    ...                       prox_config, require_valid=strict)  # doctest: +SKIP
+    >>> report.checks[0][1].headline()  # doctest: +SKIP
+    'passed — 6 rules: 6 passed'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
+
+from grpo_cli.errors import InputError
+
+if TYPE_CHECKING:
+    from grpo_cli.analysis import AnalysisResult, AnalyzeConfig
+    from grpo_cli.check import CheckReport, RuleSet
+    from grpo_cli.compare_prox import CompareProxConfig, CompareProxResult
+    from grpo_cli.io.reader import RolloutDataset
+
+__all__ = ["TREND_GROUP_BY", "Report", "build_report", "evaluate_checks", "per_step_series", "report_configs"]
+
+TREND_GROUP_BY = "step"
+"""The column the trend charts follow (``analyze --group-by step``)."""
+
+
+@dataclass
+class Report:
+    """Everything the page shows; the HTML is a pure function of it (:func:`grpo_cli.report.render_html`).
+
+    Attributes:
+        analysis: ``analyze``'s result, grouped by :data:`TREND_GROUP_BY` when the dump has that column.
+        analyze_document: exactly what ``analyze --format json`` prints for it (``groups`` included).
+        prox: ``compare-prox``'s result (every method), or ``None`` when the dump cannot support it.
+        prox_document: what ``compare-prox --format json`` prints for it.
+        prox_unavailable: why ``prox`` is ``None`` (compare-prox's own exit-2 message).
+        checks: ``(label, report)`` per rule set: ``sanity`` (always) and ``rules`` (``--rules`` files).
+        group_by_unavailable: why there are no per-step figures, or ``None``.
+    """
+
+    analysis: AnalysisResult
+    analyze_document: dict[str, Any]
+    prox: CompareProxResult | None
+    prox_document: dict[str, Any] | None
+    prox_unavailable: str | None
+    checks: list[tuple[str, CheckReport]]
+    tolerance: float
+    group_by_unavailable: str | None = None
+
+    @property
+    def group_by(self) -> str | None:
+        return self.analysis.config.get("group_by")
+
+
+def report_configs(
+    rule_sets: Sequence[tuple[str, RuleSet]],
+    *,
+    top_k: int = 10,
+    tolerance: float | None = None,
+    **overrides: Any,
+) -> tuple[AnalyzeConfig, CompareProxConfig, bool]:
+    """The ``analyze`` and ``compare-prox`` configs of a report, as ``check`` would choose them.
+
+    Defaults, then the rule files' ``[analyze]`` / ``[compare_prox]`` tables, then ``overrides`` (command-line
+    options; ``None`` = not given) — :func:`grpo_cli.check.analyze_config` with every figure on and ``top_k`` kept.
+    Options both commands share (ε, dual clip, rejection sampling, ``current_version``, ``on_invalid``) go to both
+    passes, so their figures are defined alike.
+
+    Returns:
+        The two configs and whether invalid input must fail the verdicts (``on_invalid`` chosen nowhere: invalid
+        sequences are skipped and the rule "input passes validation" is added, as in ``check``).
+    """
+    from grpo_cli.check import RuleSet, _coerce_options, analyze_config
+    from grpo_cli.compare_prox import CompareProxConfig
+
+    merged = RuleSet()
+    for _, rule_set in rule_sets:
+        merged = merged.merge(rule_set)
+    config, require_valid = analyze_config(merged, all_figures=True, **overrides)
+    config = replace(config, top_k=top_k)
+    config.validate()
+    shared = {f.name for f in fields(CompareProxConfig)} - {"methods", "tolerance"}
+    values = {f.name: getattr(config, f.name) for f in fields(config) if f.name in shared}
+    # check's own coercion of a [compare_prox] table, so both commands accept and refuse the same files.
+    values.update(_coerce_options("compare_prox", merged.compare_prox, CompareProxConfig))
+    if tolerance is not None:
+        values["tolerance"] = tolerance
+    prox_config = CompareProxConfig(**values)
+    prox_config.validate()
+    return config, prox_config, require_valid
+
+
+def per_step_series(groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The scalar per-group figures in columns: ``{"keys": [k...], "series": {metric: [value per key]}}``.
+
+    List-valued per-group figures (histograms, ``by_staleness``, ``top_kl``) are left out: the page embeds this
+    compact form (a value is ``null`` where a group lacks the figure).
+
+    Example:
+        >>> per_step_series([{"key": 1, "metrics": {"a": 0.5, "h": [1]}}, {"key": 3, "metrics": {"b": 2}}])
+        {'keys': [1, 3], 'series': {'a': [0.5, None], 'b': [None, 2]}}
+    """
+    names: dict[str, None] = {}
+    for group in groups:
+        names.update(dict.fromkeys(k for k, v in group["metrics"].items() if not isinstance(v, (list, dict))))
+    return {
+        "keys": [group["key"] for group in groups],
+        "series": {name: [group["metrics"].get(name) for group in groups] for name in names},
+    }
+
+
+def evaluate_checks(
+    dataset: RolloutDataset,
+    rule_set: RuleSet,
+    analysis: AnalysisResult,
+    prox: CompareProxResult | None,
+    prox_omitted: Mapping[str, str],
+    config: AnalyzeConfig,
+    *,
+    require_valid: bool,
+    extra_groups: Mapping[str, list[dict[str, Any]]] | None = None,
+) -> CheckReport:
+    """``check``'s verdict on figures already computed: the same rules, bounds, messages and exit semantics.
+
+    ``analysis`` supplies the overall figures and the groups of its ``group_by`` column; ``extra_groups`` those of
+    other ``per`` columns; ``prox`` (or ``prox_omitted``, the reasons when compare-prox cannot run) the ``prox/…``
+    figures.
+
+    Raises:
+        UsageError: unknown metrics or rules on figures the dump cannot provide, as ``check`` (exit 2).
+    """
+    from grpo_cli.check import CheckReport, _check_rules, evaluate_rule, sanity_figures, valid_input_rule
+    from grpo_cli.errors import UsageError
+
+    rules = list(rule_set.rules)
+    _check_rules(rules, dataset, None)  # check's own up-front validation (unknown metrics, bad per columns)
+    metrics, omitted = dict(analysis.metrics), dict(analysis.omitted)
+    metrics.update(sanity_figures(metrics))
+    if prox is not None:
+        metrics.update({k: v for k, v in prox.metrics.items() if k.startswith("prox/")})
+        omitted.update({k: v for k, v in prox.omitted.items() if k.startswith("prox/")})
+    omitted.update(prox_omitted)
+    if require_valid and config.on_invalid == "skip":
+        rules = [valid_input_rule(metrics), *rules]
+    groups: dict[str, list[dict[str, Any]]] = dict(extra_groups or {})
+    if analysis.config.get("group_by") is not None:
+        groups[analysis.config["group_by"]] = analysis.groups
+    results, problems = [], []
+    for rule in rules:
+        try:
+            results.append(evaluate_rule(rule, metrics, groups, None, omitted=omitted))
+        except UsageError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise UsageError("; ".join(problems))
+    report_config = dict(analysis.config)
+    report_config.pop("group_by", None)
+    report_config.pop("top_k", None)
+    return CheckReport(
+        results=results,
+        metrics=metrics,
+        omitted=omitted,
+        inputs=analysis.inputs,
+        config=report_config,
+        columns=analysis.columns,
+        sources=rule_set.sources,
+    )
+
+
+def build_report(
+    dataset: RolloutDataset,
+    rule_sets: Sequence[tuple[str, RuleSet]],
+    analyze_config: AnalyzeConfig,
+    prox_config: CompareProxConfig,
+    *,
+    require_valid: bool,
+    progress: Callable[[int], None] | None = None,
+    preset: str | None = None,
+) -> Report:
+    """Run the passes a report needs and evaluate every rule set on their figures.
+
+    Raises:
+        UsageError, InputError: as ``analyze`` / ``check`` (exit 2).
+    """
+    from grpo_cli.analysis import analyze
+    from grpo_cli.compare_prox import check_columns, compare_prox, expected_keys
+    from grpo_cli.render import json_document
+
+    group_by = TREND_GROUP_BY if TREND_GROUP_BY in dataset.columns else None
+    unavailable = None if group_by else f"the dump has no '{TREND_GROUP_BY}' column (per-step trends need it)"
+    analysis = analyze(dataset, replace(analyze_config, group_by=group_by), progress=progress)
+    extra: dict[str, Any] = {"columns": analysis.columns}
+    if preset is not None:
+        extra["preset"] = preset
+    if group_by is not None:
+        extra["groups"] = analysis.groups
+    analyze_document = json_document(command="analyze", inputs=analysis.inputs, config=analysis.config,
+                                     metrics=analysis.metrics, omitted=analysis.omitted, extra=extra)
+
+    prox: CompareProxResult | None = None
+    prox_document = prox_unavailable = None
+    prox_omitted: dict[str, str] = {}
+    try:
+        check_columns(dataset, prox_config)
+    except InputError as exc:
+        prox_unavailable = exc.reason
+        prox_omitted = dict.fromkeys(expected_keys(prox_config), exc.reason)
+    else:
+        prox = compare_prox(dataset, prox_config)
+        prox_extra: dict[str, Any] = {"columns": prox.columns, "recommendations": prox.recommendations}
+        prox_document = json_document(command="compare-prox", inputs=prox.inputs, config=prox.config,
+                                      metrics=prox.metrics, omitted=prox.omitted, extra=prox_extra)
+
+    # Rules grouped by a column other than the trends' need that grouping (one pass per column, as check).
+    per_columns = {r.per for _, rs in rule_sets for r in rs.rules if r.per is not None and r.per != group_by}
+    extra_groups = {
+        column: analyze(dataset, replace(analyze_config, group_by=column, top_k=0)).groups
+        for column in sorted(per_columns)
+        if column in dataset.columns  # otherwise evaluate_checks reports the rule's missing column
+    }
+    checks = [
+        (label, evaluate_checks(dataset, rule_set, analysis, prox, prox_omitted, analyze_config,
+                                require_valid=require_valid, extra_groups=extra_groups))
+        for label, rule_set in rule_sets
+    ]
+    return Report(
+        analysis=analysis,
+        analyze_document=analyze_document,
+        prox=prox,
+        prox_document=prox_document,
+        prox_unavailable=prox_unavailable,
+        checks=checks,
+        tolerance=prox_config.tolerance,
+        group_by_unavailable=unavailable,
+    )

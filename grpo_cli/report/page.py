@@ -1,0 +1,322 @@
+"""The report page: a :class:`~grpo_cli.report.builder.Report` → one self-contained HTML string.
+
+A Jinja2 template (``templates/report.html.j2``, autoescaped, CSS inlined from ``templates/report.css``) lays out a
+view model built here; the charts are inline SVG (:mod:`grpo_cli.report.charts`); the report's data is embedded as
+JSON (``<script type="application/json" id="report-data">``, HTML-escaped, keys sorted) so the page carries its
+own numbers. Nothing refers outside the file and nothing depends on the time or the machine, so the same input
+gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from grpo_cli import __version__
+from grpo_cli.keys import KEYS, SECTIONS, section_of
+from grpo_cli.render import format_value
+from grpo_cli.report import charts
+from grpo_cli.report.builder import Report, per_step_series
+
+__all__ = ["DATA_ELEMENT_ID", "TRENDS", "render_html", "report_data"]
+
+DATA_ELEMENT_ID = "report-data"
+"""``id`` of the ``<script type="application/json">`` element holding :func:`report_data`."""
+
+TRENDS: tuple[tuple[str, str, tuple[str, ...], str, str], ...] = (
+    ("fig-trend-clip", "Clip fraction", ("clip/ratio", "clip/low", "clip/high"), "fraction of valid tokens",
+     "clip/low: r < 1 − ε with A < 0; clip/high: r > 1 + ε_high with A > 0; clip/ratio: their sum."),
+    ("fig-trend-kl", "KL(old ‖ new)", ("kl/k1", "kl/k3"), "nats per token",
+     "Estimates of KL(old ‖ new) over valid tokens: k1 = mean(old − new), k3 = mean(e^d − 1 − d), d = new − old."),
+    ("fig-trend-is-ess", "Importance-weight ESS", ("is/ess",), "ESS / n",
+     "Effective sample size fraction of the (truncated) weights w = exp(new − old): 1 = uniform; falling = a few "
+     "tokens dominate."),
+    ("fig-trend-is-chi2", "Importance-weight χ²", ("is/chi2_token", "is/chi2_seq"), "χ²",
+     "mean(w²) − 1 per token, and per sequence with w = exp(Σ log w); spikes mark steps with heavy-tailed weights."),
+    ("fig-trend-staleness", "Staleness", ("staleness/theta_mean", "staleness/theta_max"), "versions behind",
+     "Trainer version minus each generated token's behaviour version (mean and maximum over valid tokens)."),
+    ("fig-trend-loss", "Loss values", ("loss/*",), "loss",
+     "Each configured GRPO-family loss evaluated on the step's tokens (docs/losses.md)."),
+)
+"""The per-step trend charts: (id, title, metric keys — ``loss/*`` = every loss reported, y label, caption)."""
+
+HEADLINE_KEYS = ("kl/k3", "clip/ratio", "ratio/max", "is/ess", "staleness/theta_mean", "entropy/mean",
+                 "reward/mean")
+"""Figures shown as cards in the page header (when reported)."""
+
+HEAT_COLUMNS = (("clip/ratio", "value"), ("kl/k3", "value"), ("is/mean", "dev1"))
+
+
+def report_data(report: Report) -> dict[str, Any]:
+    """The page's embedded data: ``analyze``'s JSON document (its ``groups`` replaced by the columnar scalar
+    figures under ``per_step``, to keep the page small), ``compare-prox``'s, and each verdict's rules and summary."""
+    analyze_doc = {k: v for k, v in report.analyze_document.items() if k != "groups"}
+    data: dict[str, Any] = {
+        "analyze": analyze_doc,
+        "per_step": None,
+        "compare_prox": report.prox_document,
+        "compare_prox_unavailable": report.prox_unavailable,
+        "checks": {},
+    }
+    if report.group_by is not None:
+        data["per_step"] = {"group_by": report.group_by, **per_step_series(report.analyze_document["groups"])}
+    for label, check in report.checks:
+        data["checks"][label] = {"summary": check.summary(), "rules": [r.to_json() for r in check.results]}
+    return data
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float) and math.isfinite(value) and value != 0 and 1e-3 <= abs(value) < 1e5:
+        return f"{value:.4g}"
+    return format_value(value)
+
+
+def _series(report: Report, keys: Sequence[str]) -> dict[str, list[Any]]:
+    groups = report.analysis.groups
+    if keys == ("loss/*",):
+        names: dict[str, None] = {}
+        for group in groups:
+            names.update(dict.fromkeys(k for k in group["metrics"] if k.startswith("loss/")))
+        keys = tuple(names)
+    out = {}
+    for key in keys:
+        values = [group["metrics"].get(key) for group in groups]
+        if any(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = values
+    return out
+
+
+def _why_missing(report: Report, keys: Sequence[str]) -> str:
+    if report.group_by_unavailable:
+        return report.group_by_unavailable
+    reasons = [report.analysis.omitted[k] for k in keys if k in report.analysis.omitted]
+    return reasons[0] if reasons else "not reported for this dump"
+
+
+def _chart(chart_id: str, title: str, caption: str, svg: str | None, missing: str | None = None) -> dict[str, Any]:
+    return {"id": chart_id, "title": title, "caption": caption, "svg": svg, "missing": missing}
+
+
+def _trend_charts(report: Report) -> list[dict[str, Any]]:
+    out = []
+    x = [group["key"] for group in report.analysis.groups]
+    for chart_id, title, keys, ylabel, caption in TRENDS:
+        series = _series(report, keys) if report.group_by else {}
+        if not series:
+            out.append(_chart(chart_id, title, caption, None, _why_missing(report, keys)))
+            continue
+        hline = (1.0, "ideal 1") if chart_id == "fig-trend-is-ess" else None
+        svg = charts.trend_chart(chart_id, x, series, ylabel=ylabel, xlabel=report.group_by or "step", hline=hline)
+        out.append(_chart(chart_id, title, caption, svg))
+    return out
+
+
+def _outside(hist: Mapping[str, Any], low: Any, high: Any) -> str:
+    """The tokens a ``*/hist`` view leaves out, and the data's full range, as a sentence for the caption."""
+    edges = hist["edges"]
+    parts = []
+    if hist.get("below"):
+        zero = f" ({hist['zero']:,} of them 0)" if hist.get("zero") else ""
+        parts.append(f"{hist['below']:,} tokens lie below {edges[0]:.4g}{zero}")
+    if hist.get("above"):
+        parts.append(f"{hist['above']:,} above {edges[-1]:.4g}")
+    text = " and ".join(parts)
+    if isinstance(low, (int, float)) and isinstance(high, (int, float)):
+        text += ("; " if text else "") + f"the full range is {low:.4g} … {high:.4g}"
+    return f" Not drawn: {text}." if text else ""
+
+
+def _no_hist(report: Report, prefix: str) -> str:
+    omitted = report.analysis.omitted.get(f"{prefix}/hist")
+    if omitted is not None:
+        return omitted
+    if f"{prefix}/max" in report.analysis.metrics:  # analyze bins positive values only, on a log scale
+        return f"no positive value between p0.1 and p99.9 to bin on a log scale ({prefix}/max = " \
+               f"{format_value(report.analysis.metrics[f'{prefix}/max'])})"
+    return "not reported for this dump"
+
+
+def _histogram_charts(report: Report) -> list[dict[str, Any]]:
+    metrics, config = report.analysis.metrics, report.analysis.config
+    eps, eps_high = config["epsilon"], config["epsilon_high"]
+    out = []
+    hist = metrics.get("ratio/hist")
+    title = "Importance ratio"
+    caption = ("PPO ratio r = exp(new − base), base = prox_logp if present else old_logp, in log-spaced bins from "
+               "p0.1 to p99.9; the shaded band [1−ε, 1+ε_high] is where r is not clipped.")
+    if hist:
+        svg = charts.histogram_chart(
+            "fig-hist-ratio", hist, xlabel="ratio r (log scale)", plain_ticks=True,
+            band=(1 - eps, 1 + eps_high, f"clip band [{1 - eps:g}, {1 + eps_high:g}]"),
+        )
+        caption += _outside(hist, metrics.get("ratio/min"), metrics.get("ratio/max"))
+        out.append(_chart("fig-hist-ratio", title, caption, svg))
+    else:
+        out.append(_chart("fig-hist-ratio", title, caption, None, _no_hist(report, "ratio")))
+    hist = metrics.get("abs_diff/hist")
+    title = "|new − old| log-prob difference"
+    caption = ("|new − old| per valid token, in log-spaced bins from p0.1 to p99.9. Dashed: where a ratio against "
+               "old_logp leaves the clip band (log(1+ε_high) above, |log(1−ε)| below).")
+    if hist:
+        lines = [(math.log1p(eps_high), f"log(1+ε_high) = {math.log1p(eps_high):.3g}")]
+        if 0 < eps < 1:
+            lines.append((-math.log1p(-eps), f"|log(1−ε)| = {-math.log1p(-eps):.3g}"))
+        svg = charts.histogram_chart("fig-hist-abs-diff", hist, xlabel="|new − old| (log scale)", vlines=lines)
+        caption += _outside(hist, metrics.get("abs_diff/min"), metrics.get("abs_diff/max"))
+        out.append(_chart("fig-hist-abs-diff", title, caption, svg))
+    else:
+        out.append(_chart("fig-hist-abs-diff", title, caption, None, _no_hist(report, "abs_diff")))
+    return out
+
+
+def _heatmap(report: Report) -> dict[str, Any]:
+    rows = report.analysis.metrics.get("by_staleness") or []
+    caption = ("Valid generated tokens by staleness lag (trainer version − behaviour version). Each column is "
+               "shaded on its own scale (darker = larger; is/mean by its distance from 1).")
+    title = "Staleness lag × clip, KL, importance weight"
+    columns = [c for c in HEAT_COLUMNS if rows and c[0] in rows[0]]
+    if not columns:
+        return _chart("fig-heat-staleness", title, caption, None,
+                      report.analysis.omitted.get("by_staleness", "no valid generated tokens with a version"))
+    return _chart("fig-heat-staleness", title, caption, charts.heatmap_chart("fig-heat-staleness", rows, columns))
+
+
+def _prox(report: Report) -> dict[str, Any]:
+    title = "compare-prox: proximal approximation error vs lag"
+    caption = (f"Mean |ℓp̂ − ℓp*| of each AReaL approximation against the recomputed prox_logp, per staleness lag; "
+               f"dashed: the tolerance {report.tolerance:g}.")
+    if report.prox is None:
+        chart = _chart("fig-prox-lag", title, caption, None, f"compare-prox cannot run on this dump: "
+                       f"{report.prox_unavailable}")
+        return {"chart": chart, "verdicts": []}
+    metrics = report.prox.metrics
+    methods = list(report.prox.recommendations)
+    by_method = {m: metrics.get(f"prox/{m}/by_staleness") or [] for m in methods}
+    if not any(by_method.values()):
+        reason = report.prox.omitted.get(f"prox/{methods[0]}/by_staleness", "no valid generated tokens")
+        return {"chart": _chart("fig-prox-lag", title, caption, None, reason),
+                "verdicts": list(report.prox.recommendations.values())}
+    svg = charts.prox_lag_chart("fig-prox-lag", by_method, tolerance=report.tolerance,
+                                safe_lags={m: metrics.get(f"prox/{m}/max_safe_lag") for m in methods})
+    return {"chart": _chart("fig-prox-lag", title, caption, svg),
+            "verdicts": [report.prox.recommendations[m] for m in methods]}
+
+
+def _figure_sections(metrics: Mapping[str, Any]) -> list[dict[str, Any]]:
+    by_section: dict[str, list[dict[str, str]]] = {}
+    for key, value in metrics.items():
+        structured = isinstance(value, (list, dict))
+        text = json.dumps(value, allow_nan=False, separators=(", ", ": ")) if structured else format_value(value)
+        meaning = KEYS[key].meaning if key in KEYS else ""
+        by_section.setdefault(section_of(key), []).append(
+            {"key": key, "value": text, "meaning": meaning, "structured": structured})
+    order = list(SECTIONS) + [s for s in by_section if s not in SECTIONS]
+    return [{"id": f"figures-{name}", "title": SECTIONS.get(name, name), "name": name, "rows": by_section[name]}
+            for name in order if name in by_section]
+
+
+def _verdicts(report: Report) -> list[dict[str, Any]]:
+    out = []
+    for label, check in report.checks:
+        rows = [{"status": r.status.value, "name": r.rule.label, "value": "–" if r.value is None else _fmt(r.value),
+                 "bound": r.bound, "where": r.where, "message": r.message, "severity": r.rule.severity.value}
+                for r in check.results]
+        title = "check --rules-preset sanity" if label == "sanity" else f"check --rules {' '.join(check.sources)}"
+        out.append({"label": label, "title": title, "status": check.status.value, "headline": check.headline(),
+                    "rows": rows})
+    return out
+
+
+def _top_kl(report: Report) -> list[dict[str, str]]:
+    inputs = report.analysis.inputs
+    rows = []
+    for record in report.analysis.metrics.get("top_kl") or []:
+        index = record["file"]
+        name = os.path.basename(inputs[index]) if 0 <= index < len(inputs) else str(index)
+        rows.append({"file": name, "row": str(record["row"]), "position": str(record["position"]),
+                     **{c: _fmt(record[c]) for c in ("kl", "ratio", "new_logp", "old_logp") if c in record}})
+    return rows
+
+
+def _stats(report: Report) -> list[tuple[str, str]]:
+    metrics = report.analysis.metrics
+    stats = [("files", f"{len(report.analysis.inputs):,}")]
+    for label, key in (("sequences", "n_sequences"), ("tokens", "n_tokens"), ("valid tokens", "n_valid_tokens")):
+        if key in metrics:
+            stats.append((label, format_value(metrics[key])))
+    groups = report.analysis.groups
+    if report.group_by and groups:
+        stats.append((f"{report.group_by}s", f"{len(groups):,} ({groups[0]['key']}–{groups[-1]['key']})"))
+    skipped = metrics.get("invalid/n_sequences_skipped")
+    if skipped:
+        stats.append(("invalid sequences skipped", format_value(skipped)))
+    return stats
+
+
+def _settings(report: Report) -> str:
+    config, columns = report.analysis.config, report.analysis.columns
+    base = "prox_logp" if "prox_logp" in columns else "old_logp" if "old_logp" in columns else "–"
+    parts = [f"ε = {config['epsilon']:g}", f"ε_high = {config['epsilon_high']:g}",
+             f"temperature {config['temperature']:g}", f"ratio base {base}", f"on_invalid {config['on_invalid']}"]
+    if config.get("c_clip") is not None:
+        parts.append(f"dual clip c = {config['c_clip']:g}")
+    if config.get("rejection_sampling"):
+        parts.append("rejection sampling on")
+    if report.prox is not None:
+        parts.append(f"compare-prox tolerance {report.tolerance:g}")
+    return " · ".join(parts)
+
+
+def _context(report: Report) -> dict[str, Any]:
+    from jinja2.utils import htmlsafe_json_dumps
+
+    metrics = report.analysis.metrics
+    config = report.analysis.config
+    data = htmlsafe_json_dumps(report_data(report), dumps=json.dumps, sort_keys=True, separators=(",", ":"),
+                               allow_nan=False, ensure_ascii=False)
+    return {
+        "version": __version__,
+        "inputs": report.analysis.inputs,
+        "stats": _stats(report),
+        "settings": _settings(report),
+        "headline": [{"key": k, "value": _fmt(metrics[k]), "meaning": KEYS[k].meaning if k in KEYS else ""}
+                     for k in HEADLINE_KEYS if isinstance(metrics.get(k), (int, float))],
+        "verdicts": _verdicts(report),
+        "config": [(key, json.dumps(value, ensure_ascii=False) if isinstance(value, (list, dict)) else
+                    format_value(value)) for key, value in config.items()],
+        "columns": report.analysis.columns,
+        "group_by": report.group_by or "step",
+        "trends": _trend_charts(report),
+        "distributions": _histogram_charts(report),
+        "heatmap": _heatmap(report),
+        "prox": _prox(report),
+        "top_kl": _top_kl(report),
+        "top_kl_missing": report.analysis.omitted.get("top_kl", "no valid token has an old_logp"),
+        "figure_sections": _figure_sections(metrics),
+        "omitted": sorted(report.analysis.omitted.items()),
+        "data_id": DATA_ELEMENT_ID,
+        "data": data,
+    }
+
+
+def render_html(report: Report) -> str:
+    """The whole page as one string (UTF-8 text, ends with a newline).
+
+    Charts need matplotlib and the page Jinja2; both are imported here, so commands that make no report never
+    load them.
+    """
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("grpo_cli.report", "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    html = env.get_template("report.html.j2").render(_context(report))
+    return html if html.endswith("\n") else html + "\n"
