@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     from grpo_cli.io.reader import RolloutDataset
 
 __all__ = [
+    "compare_prox_config",
+    "validate_rules",
     "BOUND_KEYS",
     "PER_COLUMNS",
     "PRESETS",
@@ -777,7 +779,7 @@ class CheckReport:
         return f"{word} — {len(self.results)} rules: {', '.join(parts)}"
 
 
-def _check_rules(rules: Sequence[Rule], dataset: RolloutDataset, baseline: Baseline | None) -> None:
+def validate_rules(rules: Sequence[Rule], dataset: RolloutDataset, baseline: Baseline | None) -> None:
     """Everything that can be checked before reading the data (all problems in one exit-2 message)."""
     known = known_metrics()
     problems = []
@@ -800,23 +802,42 @@ def _check_rules(rules: Sequence[Rule], dataset: RolloutDataset, baseline: Basel
                 baseline.value(rule)
 
 
+def compare_prox_config(
+    config: AnalyzeConfig,
+    rule_set: RuleSet,
+    *,
+    methods: Sequence[str] | None = None,
+    tolerance: float | None = None,
+) -> Any:
+    """The ``compare-prox`` config that goes with an ``analyze`` config and a rule set (validated).
+
+    Options both commands have (ε, dual clip, rejection sampling, ``current_version``, ``on_invalid``, …) come from
+    the analyze config, so both passes define figures alike; the rules' ``[compare_prox]`` table sets the rest and
+    may override them; ``methods`` / ``tolerance`` (command line) override both.
+    """
+    from grpo_cli.compare_prox import CompareProxConfig
+
+    shared = {f.name for f in fields(CompareProxConfig)} - {"methods", "tolerance"}
+    values = {f.name: getattr(config, f.name) for f in fields(config) if f.name in shared}
+    values.update(_coerce_options("compare_prox", rule_set.compare_prox, CompareProxConfig))
+    if methods:
+        values["methods"] = tuple(methods)
+    if tolerance is not None:
+        values["tolerance"] = tolerance
+    prox_config = CompareProxConfig(**values)
+    prox_config.validate()
+    return prox_config
+
+
 def _prox_figures(
     dataset: RolloutDataset, rules: Sequence[Rule], rule_set: RuleSet, config: AnalyzeConfig
 ) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
     """Run ``compare-prox`` for the methods the ``prox/…`` rules name (figures, omitted reasons, its config)."""
     module = _compare_prox_module()
-    if module is None:  # known_metrics() had no prox keys, so _check_rules already refused these rules
+    if module is None:  # known_metrics() had no prox keys, so validate_rules already refused these rules
         raise UsageError("prox/ rules need compare-prox, which this build lacks")
     methods = tuple(dict.fromkeys(r.metric.split("/")[1] for r in rules if r.metric.count("/") >= 2))
-    # Options both commands have (ε, dual clip, rejection sampling, current_version, on_invalid, ...) come from the
-    # analyze config, so both passes define figures alike; [compare_prox] sets the rest and may override.
-    prox_fields = {f.name for f in fields(module.CompareProxConfig)}
-    values = {f.name: getattr(config, f.name) for f in fields(config) if f.name in prox_fields and f.name != "methods"}
-    values.update(_coerce_options("compare_prox", rule_set.compare_prox, module.CompareProxConfig))
-    if methods:
-        values["methods"] = methods
-    prox_config = module.CompareProxConfig(**values)
-    prox_config.validate()
+    prox_config = compare_prox_config(config, rule_set, methods=methods or None)
     try:
         module.check_columns(dataset, prox_config)
     except InputError as exc:
@@ -850,7 +871,7 @@ def run_check(
     from grpo_cli.analysis import analyze
 
     rules = rule_set.rules
-    _check_rules(rules, dataset, baseline)
+    validate_rules(rules, dataset, baseline)
     per_columns = list(dict.fromkeys(r.per for r in rules if r.per is not None))
     # One pass per grouping column; the first also gives the overall figures.
     first = analyze(dataset, replace(config, group_by=per_columns[0] if per_columns else None),

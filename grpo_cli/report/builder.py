@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from grpo_cli.errors import InputError
@@ -82,8 +82,7 @@ def report_configs(
         The two configs and whether invalid input must fail the verdicts (``on_invalid`` chosen nowhere: invalid
         sequences are skipped and the rule "input passes validation" is added, as in ``check``).
     """
-    from grpo_cli.check import RuleSet, _coerce_options, analyze_config
-    from grpo_cli.compare_prox import CompareProxConfig
+    from grpo_cli.check import RuleSet, analyze_config, compare_prox_config
 
     merged = RuleSet()
     for _, rule_set in rule_sets:
@@ -91,15 +90,7 @@ def report_configs(
     config, require_valid = analyze_config(merged, all_figures=True, **overrides)
     config = replace(config, top_k=top_k)
     config.validate()
-    shared = {f.name for f in fields(CompareProxConfig)} - {"methods", "tolerance"}
-    values = {f.name: getattr(config, f.name) for f in fields(config) if f.name in shared}
-    # check's own coercion of a [compare_prox] table, so both commands accept and refuse the same files.
-    values.update(_coerce_options("compare_prox", merged.compare_prox, CompareProxConfig))
-    if tolerance is not None:
-        values["tolerance"] = tolerance
-    prox_config = CompareProxConfig(**values)
-    prox_config.validate()
-    return config, prox_config, require_valid
+    return config, compare_prox_config(config, merged, tolerance=tolerance), require_valid
 
 
 def per_step_series(groups: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -141,11 +132,11 @@ def evaluate_checks(
     Raises:
         UsageError: unknown metrics or rules on figures the dump cannot provide, as ``check`` (exit 2).
     """
-    from grpo_cli.check import CheckReport, _check_rules, evaluate_rule, sanity_figures, valid_input_rule
+    from grpo_cli.check import CheckReport, evaluate_rule, sanity_figures, valid_input_rule, validate_rules
     from grpo_cli.errors import UsageError
 
     rules = list(rule_set.rules)
-    _check_rules(rules, dataset, None)  # check's own up-front validation (unknown metrics, bad per columns)
+    validate_rules(rules, dataset, None)  # check's own up-front validation (unknown metrics, bad per columns)
     metrics, omitted = dict(analysis.metrics), dict(analysis.omitted)
     metrics.update(sanity_figures(metrics))
     if prox is not None:
