@@ -1,0 +1,34 @@
+"""Every metric key grpo-cli can report is documented in docs/metrics.md (the contract users script against)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from grpo_cli.core.prox import PROX_APPROX_METHODS
+from grpo_cli.keys import KEYS
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+
+
+def _documented() -> set[str]:
+    names: set[str] = set()
+    for token in re.findall(r"`([^`\s]+)`", DOC.read_text(encoding="utf-8")):
+        names.update(token.replace("<m>", method) for method in PROX_APPROX_METHODS)
+    return names
+
+
+def test_every_key_is_documented():
+    documented = _documented()
+    # `invalid/<reason>` documents one key per validation rule (the rules are listed in docs/errors.md).
+    missing = [key for key in KEYS if key not in documented and not key.startswith("invalid/")]
+    assert missing == []
+
+
+def test_invalid_reasons_are_listed_in_errors_doc():
+    text = (DOC.parent / "errors.md").read_text(encoding="utf-8")
+    # `<logp>_not_finite` there stands for each log-prob column.
+    logp_columns = ("new_logp", "old_logp", "prox_logp", "ref_logp", "teacher_logp")
+    listed = {t.replace("<logp>", c) for t in re.findall(r"`([^`\s]+)`", text) for c in logp_columns}
+    reasons = [key.split("/", 1)[1] for key in KEYS if key.startswith("invalid/") and not key.startswith("invalid/n_")]
+    assert reasons and [r for r in reasons if r not in listed] == []
