@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
+from grpo_cli.cli import main
 from grpo_cli.core.prox import PROX_APPROX_METHODS
 from grpo_cli.keys import KEYS
 
@@ -32,3 +34,14 @@ def test_invalid_reasons_are_listed_in_errors_doc():
     listed = {t.replace("<logp>", c) for t in re.findall(r"`([^`\s]+)`", text) for c in logp_columns}
     reasons = [key.split("/", 1)[1] for key in KEYS if key.startswith("invalid/") and not key.startswith("invalid/n_")]
     assert reasons and [r for r in reasons if r not in listed] == []
+
+
+def test_every_reported_key_is_declared(capsys):
+    sample = DOC.parents[1] / "sample_data" / "rollouts.parquet"
+    args = ["analyze", str(sample), "-f", "json", "-q", "--c-clip", "3", "--rs-upper", "2", "--m2-threshold", "0.01",
+            "--max-new-tokens", "7"]
+    assert main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    undeclared = [key for key in [*doc["metrics"], *doc["omitted"]] if key not in KEYS]
+    assert undeclared == []
+    assert len(doc["metrics"]) > 100
