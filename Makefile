@@ -6,3 +6,6 @@ demo:
 
 test:
 	bash .ci/run
+
+bench:
+	python3 -m venv .venv && .venv/bin/pip install -q -e . && .venv/bin/python bench/run.py

@@ -1,12 +1,16 @@
 """Benchmark: grpo-cli analyze / compare-prox against a bare Parquet decode and a pandas + numpy script.
 
-    python bench/run.py                       # 20 M tokens, 3 alternating rounds
-    python bench/run.py --tokens 2e6 --rounds 1 --workers 1
+    python bench/run.py                                        # 20 M tokens, 3 alternating rounds (make bench)
+    python bench/run.py --tokens 2e6 --rounds 1                # a quick look
+    python bench/run.py --workers 1,2 --row-group-tokens 2e6 --only decode,analyze   # --workers sweep
+    python bench/run.py --tokens 2e8 --only decode,analyze,compare-prox --device cuda --batch-tokens 4194304
 
 Writes a synthetic schema-v1 dump (sequence-per-row, pyarrow's default writer settings, lengths 600–1800, every
-column) once under ``bench/out/``, then times each contender in its own subprocess (so peak RSS is per contender)
-alternating between them, and prints the median wall time, tokens/s and peak RSS, and the ratios
-analyze/decode and pandas/analyze.
+column) once under ``bench/out/``, in chunks of ``--row-group-tokens`` (each chunk is one row group, so memory stays
+flat however large the dump), then times each contender in its own subprocess (so peak RSS is per contender)
+alternating between them, and prints the median wall time, tokens/s and peak RSS, and the ratios analyze/decode and
+pandas/analyze. Arguments it does not know (``--device cuda``, ``--batch-tokens N``) go to analyze and compare-prox.
+Interpreter start-up and imports are excluded from every contender's time (torch's import is about a second).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import resource
 import statistics
 import subprocess
@@ -22,28 +27,51 @@ import time
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "out"
+CHUNK_SEQUENCES_MAX = 1 << 20  # pyarrow's default max rows per row group: a chunk must stay below it
 
 
-def write_dump(path: Path, n_tokens: int, seed: int = 0) -> int:
-    """A synthetic dump with plausible values; returns the exact token count."""
+def write_dump(path: Path, n_tokens: int, *, row_group_tokens: int, seed: int = 0) -> int:
+    """A synthetic dump with plausible values, written chunk by chunk; returns the exact token count."""
     import numpy as np
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     rng = np.random.default_rng(seed)
-    lengths = []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
     total = 0
+    first_seq = 0
+    writer: pq.ParquetWriter | None = None
     while total < n_tokens:
-        length = int(rng.integers(600, 1801))
-        lengths.append(length)
-        total += length
-    lengths_np = np.asarray(lengths, dtype=np.int64)
+        want = min(row_group_tokens, n_tokens - total)
+        lengths = []
+        chunk = 0
+        while chunk < want and len(lengths) < CHUNK_SEQUENCES_MAX:
+            length = int(rng.integers(600, 1801))
+            lengths.append(length)
+            chunk += length
+        table = _chunk_table(rng, np.asarray(lengths, dtype=np.int64), first_seq)
+        if writer is None:
+            writer = pq.ParquetWriter(tmp, table.schema)  # pyarrow's default writer settings, on purpose
+        writer.write_table(table)
+        total += chunk
+        first_seq += len(lengths)
+    assert writer is not None
+    writer.close()
+    tmp.replace(path)
+    return total
+
+
+def _chunk_table(rng, lengths, first_seq: int):  # type: ignore[no-untyped-def]
+    import numpy as np
+    import pyarrow as pa
+
     n_seq = len(lengths)
+    total = int(lengths.sum())
     offsets = np.zeros(n_seq + 1, dtype=np.int32)
-    np.cumsum(lengths_np, out=offsets[1:])
+    np.cumsum(lengths, out=offsets[1:])
     prompt = rng.integers(50, 400, n_seq)
-    position = np.arange(total) - np.repeat(offsets[:-1], lengths_np)
-    is_response = position >= np.repeat(prompt, lengths_np)
+    position = np.arange(total) - np.repeat(offsets[:-1], lengths)
+    is_response = position >= np.repeat(prompt, lengths)
 
     new = -rng.exponential(0.8, total).astype(np.float32)
     old = np.minimum(new + rng.normal(0, 0.05, total).astype(np.float32), 0)
@@ -52,12 +80,13 @@ def write_dump(path: Path, n_tokens: int, seed: int = 0) -> int:
     entropy = rng.gamma(2.0, 0.5, total).astype(np.float32)
     current = rng.integers(4, 1000, n_seq)
     lag = rng.integers(0, 5, n_seq)
-    versions = np.where(is_response, np.repeat(current - lag, lengths_np), -1).astype(np.int32)
+    versions = np.where(is_response, np.repeat(current - lag, lengths), -1).astype(np.int32)
+    seq_ids = first_seq + np.arange(n_seq)
 
     def listed(values: np.ndarray) -> pa.Array:
         return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
 
-    table = pa.table({
+    return pa.table({
         "new_logp": listed(new),
         "old_logp": listed(old),
         "prox_logp": listed(prox),
@@ -69,12 +98,9 @@ def write_dump(path: Path, n_tokens: int, seed: int = 0) -> int:
         "rewards": pa.array(rng.integers(0, 2, n_seq).astype(np.float32)),
         "current_version": pa.array(current),
         "step": pa.array(current),
-        "group_id": pa.array(np.arange(n_seq) // 8),
-        "seq_id": pa.array(np.arange(n_seq)),
+        "group_id": pa.array(seq_ids // 8),
+        "seq_id": pa.array(seq_ids),
     })
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path)  # pyarrow's default writer settings, on purpose
-    return total
 
 
 # -- contenders (each runs in its own process) -----------------------------------------------------------------------
@@ -87,15 +113,22 @@ def analyze_columns() -> list[str]:
     return sorted(columns)
 
 
-def run_decode(path: str, columns: list[str]) -> None:
-    """The floor: decode exactly the columns analyze reads, touching every buffer, nothing else."""
+def run_decode(path: str, args: list[str]) -> None:
+    """The floor: decode exactly the columns analyze reads, as analyze's reader does (streamed pages, batches of
+    whole rows of about --batch-tokens tokens, one row group at a time), touching every buffer, nothing else."""
     import pyarrow.parquet as pq
 
-    parquet = pq.ParquetFile(path, memory_map=True)
+    batch_tokens, buffer_bytes, columns = int(args[0]), int(args[1]), args[2:]
+    parquet = pq.ParquetFile(path, memory_map=False, pre_buffer=False, buffer_size=buffer_bytes)
     columns = [c for c in columns if c in parquet.schema_arrow.names]
+    md = parquet.metadata
+    leaf = next(i for i in range(md.num_columns) if md.schema.column(i).path.startswith("new_logp"))
     n = 0
-    for batch in parquet.iter_batches(batch_size=1024, columns=columns, use_threads=True):
-        n += batch.num_rows
+    for rg in range(md.num_row_groups):
+        meta = md.row_group(rg)
+        rows = max(1, batch_tokens * meta.num_rows // max(meta.column(leaf).num_values, 1))
+        for batch in parquet.iter_batches(batch_size=rows, row_groups=[rg], columns=columns, use_threads=True):
+            n += batch.num_rows
     print(n, file=sys.stderr)
 
 
@@ -144,21 +177,83 @@ IMPORTS = {
     "decode": ["pyarrow.parquet"],
     "pandas": ["pandas", "pyarrow.parquet"],
     "analyze": ["grpo_cli.cli", "grpo_cli.analysis"],
-    "compare-prox": ["grpo_cli.cli", "grpo_cli.analysis"],
+    "compare-prox": ["grpo_cli.cli", "grpo_cli.analysis", "grpo_cli.compare_prox"],
 }
+
+
+class _WorkerPeaks:
+    """The largest peak RSS (``VmHWM``) among this process's children, sampled from ``/proc`` while it runs.
+
+    ``RUSAGE_CHILDREN`` cannot tell workers apart from the short-lived ldconfig torch's import runs, so the worker
+    processes are watched directly (Linux only; elsewhere the figure stays 0)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak_kib = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        me = os.getpid()
+        while not self._stop.wait(0.05):
+            try:
+                children = Path(f"/proc/{me}/task/{me}/children").read_text().split()
+            except OSError:
+                return
+            for pid in children:
+                try:
+                    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                        if line.startswith("VmHWM:"):
+                            self.peak_kib = max(self.peak_kib, int(line.split()[1]))
+                except (OSError, ValueError):
+                    continue
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.peak_kib / 1024
 
 
 def _child(name: str, path: str, extra: list[str]) -> None:
     import importlib
 
-    # Interpreter start-up and imports (torch: about a second) are constant costs, excluded for every contender.
     for module in IMPORTS[name]:
         importlib.import_module(module)
+    after_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    peaks = _WorkerPeaks()
     start = time.perf_counter()
+    cpu = time.process_time()
     CONTENDERS[name](path, extra)
     seconds = time.perf_counter() - start
-    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"seconds": seconds, "peak_rss_mib": rss_kib / 1024}))
+    cpu_seconds = time.process_time() - cpu
+    worker_peak = peaks.stop()
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    workers = resource.getrusage(resource.RUSAGE_CHILDREN)
+    worker_cpu = workers.ru_utime + workers.ru_stime - before.ru_utime - before.ru_stime
+    print(json.dumps({
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds + worker_cpu,
+        "peak_rss_mib": own.ru_maxrss / 1024,
+        "imports_rss_mib": after_imports / 1024,
+        "worker_peak_rss_mib": worker_peak,
+    }))
+
+
+def _info() -> dict[str, object]:
+    """What analyze reads and how, asked in a subprocess: Linux carries a process's peak RSS across fork and exec,
+    so this process must never import torch, or every contender would start from torch's footprint."""
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import run; "
+        "from grpo_cli.io.reader import DEFAULT_BATCH_TOKENS, READ_BUFFER_BYTES; "
+        "print(json.dumps({'columns': run.analyze_columns(), 'batch_tokens': DEFAULT_BATCH_TOKENS, "
+        "'buffer_bytes': READ_BUFFER_BYTES}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout)
 
 
 def measure(name: str, path: Path, extra: list[str]) -> dict[str, float] | None:
@@ -172,58 +267,143 @@ def measure(name: str, path: Path, extra: list[str]) -> dict[str, float] | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _option(extra: list[str], name: str) -> str | None:
+    for i, arg in enumerate(extra):
+        if arg == name and i + 1 < len(extra):
+            return extra[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--child"]:  # the child's arguments belong to the contender, not to this parser
+        _child(sys.argv[2], sys.argv[3], sys.argv[4:])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=float, default=20e6, help="tokens in the synthetic dump (default 20M)")
+    parser.add_argument("--row-group-tokens", type=float, default=20e6,
+                        help="tokens per written chunk = row group (default 20M: one row group for the 20M dump)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median is reported")
     parser.add_argument("--only", default="decode,pandas,analyze,compare-prox", help="comma-separated contenders")
+    parser.add_argument("--workers", default=None,
+                        help="comma-separated --workers values for analyze and compare-prox (a sweep); default: "
+                             "the commands' own default (the available cores)")
     parser.add_argument("--file", type=Path, default=None, help="benchmark this dump instead of a synthetic one")
-    parser.add_argument("--child", nargs=2, metavar=("NAME", "PATH"), help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--prepare", action="store_true", help="only write the synthetic dump (if missing)")
     args, extra = parser.parse_known_args()
-    if args.child:
-        _child(args.child[0], args.child[1], extra)
-        return
+
+    import pyarrow.parquet as pq
 
     if args.file is not None:
         path = args.file
-        import pyarrow.parquet as pq
-
-        n_tokens = sum(len(v) for b in pq.ParquetFile(path).iter_batches(columns=["new_logp"])
-                       for v in b.column(0).to_pylist())
+        md = pq.ParquetFile(path).metadata
+        leaf = next(i for i in range(md.num_columns) if md.schema.column(i).path.startswith("new_logp"))
+        n_tokens = sum(md.row_group(rg).column(leaf).num_values for rg in range(md.num_row_groups))
     else:
-        path = OUT / f"synthetic-{int(args.tokens)}.parquet"
+        suffix = "" if args.row_group_tokens == 20e6 else f"-rg{int(args.row_group_tokens)}"
+        path = OUT / f"synthetic-{int(args.tokens)}{suffix}.parquet"
         meta = path.with_suffix(".json")
         if path.exists() and meta.exists():
             n_tokens = json.loads(meta.read_text())["tokens"]
         else:
             print(f"writing {path} ...", file=sys.stderr)
-            n_tokens = write_dump(path, int(args.tokens))
+            # In a subprocess: Linux carries a process's peak RSS across fork and exec, so the numpy arrays of the
+            # dump must not inflate every contender's figure.
+            code = (
+                "import json, sys; sys.path.insert(0, sys.argv[1]); import run; from pathlib import Path; "
+                "print(run.write_dump(Path(sys.argv[2]), int(sys.argv[3]), row_group_tokens=int(sys.argv[4])))"
+            )
+            out = subprocess.run(
+                [sys.executable, "-c", code, str(Path(__file__).parent), str(path), str(int(args.tokens)),
+                 str(int(args.row_group_tokens))],
+                capture_output=True, text=True, check=True,
+            )
+            n_tokens = int(out.stdout.strip())
             meta.write_text(json.dumps({"tokens": n_tokens}))
-    names = [n.strip() for n in args.only.split(",") if n.strip()]
-    print(f"dump: {path} ({n_tokens:,} tokens, {path.stat().st_size / 2**20:.0f} MiB); "
-          f"{os.cpu_count()} cores; extra args: {' '.join(extra) or '-'}")
-    columns = analyze_columns()
-    runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    row_groups = pq.ParquetFile(path).metadata.num_row_groups
+    if args.prepare:
+        print(f"dump: {path} ({n_tokens:,} tokens, {row_groups} row groups)")
+        return
+
+    info = _info()
+    batch_tokens = int(_option(extra, "--batch-tokens") or info["batch_tokens"])
+    decode_args = [str(batch_tokens), str(info["buffer_bytes"]), *info["columns"]]
+    runs: list[tuple[str, str, list[str]]] = []  # (label, contender, arguments)
+    for name in [n.strip() for n in args.only.split(",") if n.strip()]:
+        if name not in CONTENDERS:
+            parser.error(f"unknown contender {name!r} (choose from {', '.join(CONTENDERS)})")
+        if name in ("analyze", "compare-prox") and args.workers:
+            for w in args.workers.split(","):
+                runs.append((f"{name} w={int(w)}", name, [*extra, "--workers", str(int(w))]))
+        else:
+            runs.append((name, name, decode_args if name == "decode" else extra))
+
+    print(f"dump: {path} ({n_tokens:,} tokens, {row_groups} row groups, {path.stat().st_size / 2**20:.0f} MiB); "
+          f"{os.cpu_count()} cores ({len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'} "
+          f"usable); {platform.processor() or platform.machine()}; batch tokens {batch_tokens:,}; "
+          f"extra args: {' '.join(extra) or '-'}")
+    print(f"load average before: {_load()}")
+    results: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in runs}
     for round_index in range(args.rounds):
-        for name in names:  # alternate contenders so drift hits all of them alike
-            result = measure(name, path, columns if name == "decode" else extra)
+        for label, name, run_args in runs:  # alternate contenders so drift hits all of them alike
+            result = measure(name, path, run_args)
             if result is not None:
-                runs[name].append(result)
-        print(f"  round {round_index + 1}/{args.rounds} done", file=sys.stderr)
+                results[label].append(result)
+        print(f"  round {round_index + 1}/{args.rounds} done (load {_load()})", file=sys.stderr)
+    print(f"load average after: {_load()}")
+
     medians: dict[str, float] = {}
-    print(f"{'contender':<14}{'median s':>10}{'M tokens/s':>12}{'peak RSS MiB':>14}")
-    for name, results in runs.items():
-        if not results:
-            print(f"{name:<14}{'failed':>10}")
+    rows = []
+    # peak RSS: the measured process (imports included: torch alone is about 0.7 GiB); workers: the largest
+    # worker process's peak, if it ran any.
+    header = f"{'contender':<18}{'median s':>10}{'M tokens/s':>12}{'CPU s':>8}{'peak RSS MiB':>14}{'imports':>9}" \
+             f"{'workers':>9}"
+    print(header)
+    for label, found in results.items():
+        if not found:
+            print(f"{label:<18}{'failed':>10}")
             continue
-        seconds = statistics.median(r["seconds"] for r in results)
-        rss = max(r["peak_rss_mib"] for r in results)
-        medians[name] = seconds
-        print(f"{name:<14}{seconds:>10.2f}{n_tokens / seconds / 1e6:>12.1f}{rss:>14.0f}")
-    if "analyze" in medians and "decode" in medians:
-        print(f"analyze / decode = {medians['analyze'] / medians['decode']:.2f}x (target <= 1.25)")
-    if "analyze" in medians and "pandas" in medians:
-        print(f"pandas / analyze = {medians['pandas'] / medians['analyze']:.2f}x (target >= 2.5)")
+        seconds = statistics.median(r["seconds"] for r in found)
+        cpu = statistics.median(r["cpu_seconds"] for r in found)
+        rss = max(r["peak_rss_mib"] for r in found)
+        imports = max(r["imports_rss_mib"] for r in found)
+        worker_rss = max(r["worker_peak_rss_mib"] for r in found)
+        medians[label] = seconds
+        rows.append({"contender": label, "median_s": seconds, "runs_s": [r["seconds"] for r in found],
+                     "m_tokens_per_s": n_tokens / seconds / 1e6, "cpu_s": cpu, "peak_rss_mib": rss,
+                     "imports_rss_mib": imports, "worker_peak_rss_mib": worker_rss})
+        workers_text = f"{worker_rss:.0f}" if worker_rss else "-"
+        print(f"{label:<18}{seconds:>10.2f}{n_tokens / seconds / 1e6:>12.1f}{cpu:>8.2f}{rss:>14.0f}{imports:>9.0f}"
+              f"{workers_text:>9}")
+    ratios = {}
+    for label in medians:
+        if label.startswith("analyze") and "decode" in medians:
+            ratios[f"{label} / decode"] = medians[label] / medians["decode"]
+        if label.startswith("analyze") and "pandas" in medians:
+            ratios[f"pandas / {label}"] = medians["pandas"] / medians[label]
+    for key, value in ratios.items():
+        target = "(target <= 1.25)" if key.endswith("/ decode") else "(target >= 2.5)"
+        print(f"{key} = {value:.2f}x {target}")
+    if args.workers:
+        for name in ("analyze", "compare-prox"):
+            base = medians.get(f"{name} w=1")
+            for w in args.workers.split(","):
+                label = f"{name} w={int(w)}"
+                if base and label in medians and int(w) > 1:
+                    speedup = base / medians[label]
+                    print(f"{label}: speed-up {speedup:.2f}x, parallel efficiency {speedup / int(w):.0%}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"dump": str(path), "tokens": n_tokens, "row_groups": row_groups,
+                                         "extra": extra, "rows": rows, "ratios": ratios}, indent=2))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from grpo_cli.io.validate import BatchValidator, OnInvalid, ValidationGroup, req
 from grpo_cli.loss_groups import LOSS_NAMES, LossGroup
 from grpo_cli.offpolicy_groups import offpolicy_groups
 from grpo_cli.options import PPOOptions, check_finite
+from grpo_cli.streaming import streamed
 
 GROUP_BY_COLUMNS = tuple(name for name, spec in COLUMNS.items() if spec.kind is ColumnKind.SEQUENCE_INT)
 """Per-sequence integer columns ``--group-by`` accepts."""
@@ -285,9 +286,9 @@ def accumulate_states(
     # under --on-invalid skip it drops sequences before any figure (or group_by key) sees them.
     validator = BatchValidator.for_dataset(dataset, config.on_invalid, getattr(config, "current_version", None))
     skip_counts = next((s for g, s in zip(groups, acc.overall) if isinstance(g, ValidationGroup)), None)
-    for batch in dataset.iter_batches(
-        columns=wanted, batch_tokens=config.batch_tokens, shards=shards, raw_mask=True
-    ):
+    batches = dataset.iter_batches(columns=wanted, batch_tokens=config.batch_tokens, shards=shards, raw_mask=True)
+    # Decoding runs ahead in a thread (into pinned memory for CUDA) while the groups compute (grpo_cli.streaming).
+    for batch in streamed(batches, device):
         n_tokens = batch.n_tokens
         if batch.device != device:
             batch = batch.to(device, non_blocking=True)
@@ -359,9 +360,16 @@ def analyze(
     *,
     groups: Sequence[MetricGroup] | None = None,
     progress: Callable[[int], None] | None = None,
+    workers: int = 1,
 ) -> AnalysisResult:
-    """Run every metric group over the whole dataset in one streaming pass."""
+    """Run every metric group over the whole dataset in one streaming pass.
+
+    ``workers`` processes share the (file, row-group) units of the dump; under ``torchrun`` each rank takes its
+    share and the states are all-reduced (:func:`grpo_cli.parallel.accumulate`). No figure depends on either.
+    """
+    from grpo_cli.parallel import accumulate
+
     config.validate()
     groups = default_groups() if groups is None else list(groups)
-    acc = accumulate_states(dataset, config, groups, progress=progress)
+    acc = accumulate(dataset, config, groups, workers=workers, progress=progress)
     return finalize(dataset, config, groups, acc)

@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from grpo_cli.core.actor_stats import actor_stats_compute, actor_stats_state, actor_stats_update
 from grpo_cli.core.offpolicy import working_logp
 from grpo_cli.core.packing import lengths_from_cu_seqlens
-from grpo_cli.core.ppo import ppo_actor_loss_terms
 from grpo_cli.core.state import MetricState
+from grpo_cli.loss_groups import valid_ppo_terms
 
 if TYPE_CHECKING:
     from grpo_cli.analysis import AnalyzeConfig
@@ -69,19 +70,7 @@ class ActorStatsGroup:
         if base is not None:
             log_ratio = working_logp(valid.new_logp, config.temperature) - working_logp(base, config.temperature)
             if valid.advantages is not None and valid.n_tokens:
-                _, _, stats = ppo_actor_loss_terms(
-                    valid.new_logp,
-                    base,
-                    valid.old_logp if valid.old_logp is not None else base,
-                    valid.advantages,
-                    config.epsilon,
-                    torch.ones_like(valid.new_logp, dtype=torch.bool),
-                    eps_clip_higher=config.epsilon_high,
-                    c_clip=config.c_clip,
-                    rejection_sampling=config.rejection_sampling(),
-                    importance_sampling_level=config.importance_level,
-                    cu_seqlens=valid.cu_seqlens,
-                )
+                _, _, stats = valid_ppo_terms(valid, config)  # shared with loss/ppo (computed once per batch)
                 clip_mask = stats["clip_mask"]
         actor_stats_update(
             state,
@@ -93,7 +82,21 @@ class ActorStatsGroup:
             clip_mask=clip_mask,
             new_logp=valid.new_logp,
             old_logp=valid.old_logp,
+            prompt_lengths=_first_valid_positions(batch, valid),
         )
 
     def compute(self, state: MetricState, config: AnalyzeConfig) -> dict[str, Any]:
         return actor_stats_compute(state)
+
+
+def _first_valid_positions(batch: TokenBatch, valid: TokenBatch) -> Tensor | None:
+    """Each sequence's first loss-mask position (its whole length when it has none), read off the valid view's
+    ``positions`` in O(sequences) instead of scanning every token's mask."""
+    if valid.positions is None or valid.n_sequences != batch.n_sequences:
+        return None
+    valid_lengths = lengths_from_cu_seqlens(valid.cu_seqlens)
+    whole_lengths = lengths_from_cu_seqlens(batch.cu_seqlens).to(valid_lengths.device)
+    if valid.n_tokens == 0:
+        return whole_lengths
+    starts = valid.cu_seqlens[:-1].clamp(max=valid.n_tokens - 1)
+    return torch.where(valid_lengths > 0, valid.positions.index_select(0, starts), whole_lengths)

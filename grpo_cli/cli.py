@@ -84,7 +84,11 @@ EpsilonHighOpt = Annotated[
 TemperatureOpt = Annotated[
     float, typer.Option("--temperature", help="Sampling temperature; log-probs are rescaled by it as the seed does.")
 ]
-BatchTokensOpt = Annotated[int, typer.Option("--batch-tokens", help="Token budget per streamed batch.")]
+BatchTokensOpt = Annotated[
+    int,
+    typer.Option("--batch-tokens", help="Token budget per streamed batch: bounds memory (docs/performance.md; "
+                 "use millions with --device cuda)."),
+]
 DeviceOpt = Annotated[Device, typer.Option("--device", help="Where the core runs.")]
 FormatOpt = Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")]
 OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Write the report here instead of stdout.")]
@@ -92,6 +96,11 @@ MapOpt = Annotated[
     list[str] | None, typer.Option("--map", help="Rename a column: canonical=actual (repeatable).")
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+WorkersOpt = Annotated[
+    int | None,
+    typer.Option("--workers", help="Processes reading (file, row-group) units in parallel (default: the available "
+                 "cores; 1 per torchrun rank or with --device cuda). No figure depends on it (docs/performance.md)."),
+]
 
 
 class NamesChoice(str, enum.Enum):
@@ -174,6 +183,18 @@ def _progress(total: int, quiet: bool) -> Iterator[Callable[[int], None] | None]
         yield lambda n: bar.advance(task, n)
 
 
+def _workers(workers: int | None, device: Device = Device.cpu) -> int:
+    """``--workers``: the available cores by default; one per torchrun rank (each rank is a process) and with
+    ``--device cuda`` (one process drives the GPU while a thread decodes ahead)."""
+    from grpo_cli.parallel import available_cores, distributed_env
+
+    if workers is None:
+        return 1 if distributed_env() is not None or device is Device.cuda else available_cores()
+    if workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {workers}")
+    return workers
+
+
 def _check_device(device: Device) -> str:
     if device is Device.cuda:
         import torch
@@ -209,7 +230,7 @@ def analyze(
     epsilon_high: EpsilonHighOpt = None,
     temperature: TemperatureOpt = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Report the k highest-KL tokens (0: off).")] = 10,
-    batch_tokens: BatchTokensOpt = 1 << 20,
+    batch_tokens: BatchTokensOpt = 1 << 18,
     device: DeviceOpt = Device.cpu,
     output_format: FormatOpt = OutputFormat.table,
     output: OutputOpt = None,
@@ -265,6 +286,7 @@ def analyze(
                      "(seq/no_eos_frac)."),
     ] = None,
     names: NamesOpt = NamesChoice.grpo_cli,
+    workers: WorkersOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
     """Every diagnostic of a rollout dump, streamed in one pass."""
@@ -309,7 +331,7 @@ def analyze(
         typer.echo(f"grpo-cli: warning: {note}", err=True)
     dataset = open_dataset(paths, parse_column_map(column_map), preset.value if preset is not None else None)
     with _progress(dataset.n_tokens, quiet) as progress:
-        result = run_analysis(dataset, config, progress=progress)
+        result = run_analysis(dataset, config, progress=progress, workers=_workers(workers, device))
     warn_skipped(result.metrics)
     from grpo_cli.names import rename_result
 
@@ -368,6 +390,9 @@ def _report(
     """Render one result in the chosen format to stdout or ``--output`` (every command's last step)."""
     from grpo_cli.render import dumps_json, make_console
 
+    if _secondary_rank():
+        return  # under torchrun only rank 0 writes the report
+
     if output_format is OutputFormat.json:
         _emit(dumps_json(document()), output)
     elif output_format is OutputFormat.csv:
@@ -416,7 +441,7 @@ def compare_prox(
     max_lag: Annotated[
         int, typer.Option("--max-lag", help="Lags 0..N-1 get a by-staleness row each; larger lags share one.")
     ] = 64,
-    batch_tokens: BatchTokensOpt = 1 << 20,
+    batch_tokens: BatchTokensOpt = 1 << 18,
     device: DeviceOpt = Device.cpu,
     output_format: FormatOpt = OutputFormat.table,
     output: OutputOpt = None,
@@ -424,6 +449,7 @@ def compare_prox(
     preset: PresetOpt = None,
     on_invalid: OnInvalidOpt = InvalidPolicy.error,
     names: NamesOpt = NamesChoice.grpo_cli,
+    workers: WorkersOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
     """How close AReaL's proximal approximations come to the recomputed prox_logp, by staleness lag.
@@ -467,7 +493,7 @@ def compare_prox(
     if current_version is not None and "current_version" in dataset.columns:
         typer.echo("grpo-cli: warning: --current-version is ignored: the dump has a current_version column", err=True)
     with _progress(dataset.n_tokens, quiet) as progress:
-        result = run_compare(dataset, config, progress=progress)
+        result = run_compare(dataset, config, progress=progress, workers=_workers(workers, device))
     warn_skipped(result.metrics)
     from grpo_cli.names import rename_result
 
@@ -541,7 +567,7 @@ def check(
         typer.Option("--on-invalid", help="Invalid values (NaN/positive log-probs, ...): error (exit 2 at the "
                      "first) or skip (drop and accept them). Default: drop them and fail 'input passes validation'."),
     ] = None,
-    batch_tokens: BatchTokensOpt = 1 << 20,
+    batch_tokens: BatchTokensOpt = 1 << 18,
     device: DeviceOpt = Device.cpu,
     column_map: MapOpt = None,
     preset: PresetOpt = None,
@@ -619,6 +645,86 @@ def check(
         )
     if report.exit_code:
         raise CheckFailed(report.headline())
+
+
+@app.command()
+def report(
+    paths: PathsArg,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the HTML page.")],
+    rules: Annotated[
+        list[Path] | None,
+        typer.Option("--rules", "-r", help="Also show the verdict of these TOML rules (repeatable; docs/check.md); "
+                     "their [analyze]/[compare_prox] options apply."),
+    ] = None,
+    epsilon: Annotated[
+        float | None,
+        typer.Option("--epsilon", "--clip-range", help="Lower clip width ε (default: the rules' [analyze], else 0.2)."),
+    ] = None,
+    epsilon_high: EpsilonHighOpt = None,
+    temperature: Annotated[
+        float | None, typer.Option("--temperature", help="Sampling temperature (default: the rules', else 1).")
+    ] = None,
+    top_k: Annotated[int, typer.Option("--top-k", help="List the k highest-KL tokens (0: off).")] = 10,
+    tolerance: Annotated[
+        float | None,
+        typer.Option("--tolerance", help="compare-prox: bound on a lag's abs_error_mean for the max-safe-lag "
+                     "verdict (default: the rules' [compare_prox], else 0.01)."),
+    ] = None,
+    current_version: Annotated[
+        int | None,
+        typer.Option("--current-version", help="Trainer version v_θ when the dump has no current_version column."),
+    ] = None,
+    on_invalid: Annotated[
+        InvalidPolicy | None,
+        typer.Option("--on-invalid", help="Invalid values: error (exit 2 at the first) or skip (drop and accept "
+                     "them). Default, as check: drop them and fail 'input passes validation'."),
+    ] = None,
+    batch_tokens: BatchTokensOpt = 1 << 18,
+    device: DeviceOpt = Device.cpu,
+    column_map: MapOpt = None,
+    preset: PresetOpt = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """One self-contained offline HTML page: per-step trends, distributions, staleness, compare-prox and the
+    `check --rules-preset sanity` verdict (docs/report.md). Exit 0 whatever the verdicts say."""
+    from grpo_cli.check import load_rules
+    from grpo_cli.check import preset as rule_preset
+    from grpo_cli.io.presets import open_dataset
+    from grpo_cli.io.schema import parse_column_map
+    from grpo_cli.report import build_report, render_html, report_configs
+
+    rule_sets = [("sanity", rule_preset("sanity"))]
+    if rules:
+        from grpo_cli.check import RuleSet
+
+        merged = RuleSet()
+        for path in rules:
+            merged = merged.merge(load_rules(path))
+        rule_sets.append(("rules", merged))
+    analyze_config, prox_config, require_valid = report_configs(
+        rule_sets,
+        top_k=top_k,
+        tolerance=tolerance,
+        epsilon=epsilon,
+        epsilon_high=epsilon_high,
+        temperature=temperature,
+        current_version=current_version,
+        batch_tokens=batch_tokens,
+        device=_check_device(device),
+        on_invalid=on_invalid.value if on_invalid is not None else None,
+    )
+    for note in analyze_config.ppo_notes():
+        typer.echo(f"grpo-cli: warning: {note}", err=True)
+    dataset = open_dataset(paths, parse_column_map(column_map), preset.value if preset is not None else None)
+    with _progress(dataset.n_tokens, quiet) as progress:
+        result = build_report(dataset, rule_sets, analyze_config, prox_config, require_valid=require_valid,
+                              progress=progress, preset=preset.value if preset is not None else None)
+    warn_skipped(result.analysis.metrics)
+    page = render_html(result)
+    _emit(page, output)
+    if not quiet:
+        verdicts = "; ".join(f"{label}: {check.headline()}" for label, check in result.checks)
+        typer.echo(f"wrote {output} ({len(page.encode()) / 1024:,.0f} KiB) — {verdicts}", err=True)
 
 
 @app.command()
@@ -764,7 +870,7 @@ def advantages(
         str, typer.Option("--alignment", help="gae: token (the dump's columns are token-aligned; rolled to "
                           "AReaL's next-token alignment and back) or next (already next-token aligned).")
     ] = "token",
-    batch_tokens: BatchTokensOpt = 1 << 20,
+    batch_tokens: BatchTokensOpt = 1 << 18,
     device: DeviceOpt = Device.cpu,
     output_format: FormatOpt = OutputFormat.table,
     output: OutputOpt = None,
@@ -843,9 +949,26 @@ def sample(
         typer.echo(f"wrote {out}", err=True)
 
 
+def _secondary_rank() -> bool:
+    """A torchrun rank other than 0 (``RANK``/``WORLD_SIZE`` set by the launcher): it computes but writes nothing."""
+    import os
+
+    return os.environ.get("RANK", "0") != "0" and os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the app and map every failure to one line on stderr and an exit code."""
     args = sys.argv[1:] if argv is None else list(argv)
+    if _secondary_rank() and "--debug" not in args:
+        import os
+
+        # torchrun: rank 0 writes the report and every message (errors are agreed across ranks first).
+        with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+            return _main(args)
+    return _main(args)
+
+
+def _main(args: list[str]) -> int:
     # --debug is honoured anywhere on the line (also after the command), so it is taken out before parsing.
     _state["debug"] = "--debug" in args
     if _state["debug"]:

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from grpo_cli.analysis import AnalysisResult, CountsGroup, accumulate_states, finalize
+from grpo_cli.analysis import AnalysisResult, CountsGroup, finalize
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.prox import PROX_APPROX_METHODS
 from grpo_cli.core.prox_compare import (
@@ -38,6 +38,7 @@ from grpo_cli.errors import InputError, UsageError
 from grpo_cli.io.reader import DEFAULT_BATCH_TOKENS, RolloutDataset
 from grpo_cli.io.validate import OnInvalid, ValidationGroup
 from grpo_cli.options import PPOOptions, check_finite
+from grpo_cli.parallel import accumulate
 
 __all__ = [
     "MAX_MAX_LAG",
@@ -256,10 +257,11 @@ def compare_prox(
     config: CompareProxConfig,
     *,
     progress: Callable[[int], None] | None = None,
+    workers: int = 1,
 ) -> CompareProxResult:
     """Stream ``dataset`` once and compare each configured approximation with the recomputed ``prox_logp``.
 
-    The pass is ``analyze``'s (:func:`grpo_cli.analysis.accumulate_states` / :func:`~grpo_cli.analysis.finalize`:
+    The pass is ``analyze``'s (:func:`grpo_cli.parallel.accumulate` / :func:`~grpo_cli.analysis.finalize`:
     input validation, ``--on-invalid``, exact merging) with the groups of :func:`compare_prox_groups`.
 
     Raises:
@@ -269,7 +271,8 @@ def compare_prox(
     config.validate()
     check_columns(dataset, config)
     groups = compare_prox_groups()
-    acc = accumulate_states(dataset, config, groups, progress=progress)  # type: ignore[arg-type]
+    # --workers processes or torchrun ranks, merged exactly (grpo_cli.parallel).
+    acc = accumulate(dataset, config, groups, workers=workers, progress=progress)  # type: ignore[arg-type]
     base = finalize(dataset, config, groups, acc)  # type: ignore[arg-type]
     metrics, omitted = base.metrics, base.omitted
     for key in expected_keys(config):

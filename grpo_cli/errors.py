@@ -48,6 +48,15 @@ class InputError(GrpoCliError):
         self.reason = message
         super().__init__(f"{': '.join([', '.join(where)] if where else [])}{': ' if where else ''}{message}")
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keeps file/column/row when the error crosses a process boundary (--workers, torchrun ranks).
+        location = {"file": self.file, "column": self.column, "row": self.row, "token": self.token}
+        return (_rebuild, (type(self), self.reason, location))
+
+
+def _rebuild(cls: type[InputError], message: str, location: dict[str, object]) -> InputError:
+    return cls(message, **location)  # type: ignore[arg-type]
+
 
 class CheckFailed(GrpoCliError):
     """A regression check failed (exit code 1)."""

@@ -1,6 +1,6 @@
 """``loss/*`` in ``analyze``: the GRPO-family losses and AReaL's PPO actor loss over a whole dump, streamed.
 
-Every loss is a ratio of two sums over whole sequences (``core.grpo_family_loss_terms``,
+Every loss is a ratio of two sums over whole sequences (``core.grpo_family_valid_terms``,
 ``core.ppo_actor_loss_terms``), so the figure for the dump is Σ numerator / Σ denominator over batches: exactly the
 value one call over all sequences in memory would return. The PPO ratio's base is ``prox_logp`` when the dump has
 it (decoupled PPO), else ``old_logp``.
@@ -11,21 +11,47 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from grpo_cli.core.batch import TokenBatch
-from grpo_cli.core.grpo_family import GRPO_VARIANTS, grpo_family_loss_terms
+from grpo_cli.core.grpo_family import GRPO_VARIANTS, grpo_family_valid_terms
 from grpo_cli.core.ppo import ppo_actor_loss_terms
 from grpo_cli.core.state import MetricState, count, total
 
 if TYPE_CHECKING:
     from grpo_cli.analysis import AnalyzeConfig
 
-__all__ = ["LOSS_NAMES", "LossGroup"]
+__all__ = ["LOSS_NAMES", "LossGroup", "valid_ppo_terms"]
 
 LOSS_NAMES = (*GRPO_VARIANTS, "ppo")
 """``--loss`` choices: the six GRPO-family loss objects and AReaL's ``ppo_actor_loss``."""
 
 _NEEDS = "needs 'advantages' and a ratio base ('prox_logp' or 'old_logp')"
+
+
+def valid_ppo_terms(valid: TokenBatch, config: AnalyzeConfig) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    """AReaL's PPO actor-loss terms (:func:`~grpo_cli.core.ppo.ppo_actor_loss_terms`) of a batch of valid tokens,
+    with the ratio based on ``prox_logp`` when present (else ``old_logp``); computed once per batch
+    (:meth:`~grpo_cli.core.batch.TokenBatch.memo`) for every group that needs them (``loss/ppo``, ``clip/dual``,
+    the ``actor_stats`` clipped-token means). The batch must have ``advantages`` and a ratio base."""
+    memo = valid.memo()
+    if "ppo_terms" not in memo:
+        base = valid.prox_logp if valid.prox_logp is not None else valid.old_logp
+        assert base is not None and valid.advantages is not None
+        memo["ppo_terms"] = ppo_actor_loss_terms(
+            valid.new_logp,
+            base,
+            valid.old_logp if valid.old_logp is not None else base,
+            valid.advantages,
+            config.epsilon,
+            torch.ones_like(valid.new_logp, dtype=torch.bool),
+            eps_clip_higher=config.epsilon_high,
+            c_clip=config.c_clip,
+            rejection_sampling=config.rejection_sampling(),
+            importance_sampling_level=config.importance_level,
+            cu_seqlens=valid.cu_seqlens,
+        )
+    return memo["ppo_terms"]
 
 
 class LossGroup:
@@ -60,39 +86,28 @@ class LossGroup:
         base = valid.prox_logp if valid.prox_logp is not None else valid.old_logp
         if base is None or valid.advantages is None:
             return
-        mask = torch.ones_like(valid.new_logp, dtype=torch.bool)
+        # The GRPO-family variants share their log-ratio, ratio and clipped surrogate (one pass for all of them).
+        family = [name for name in self._selected(config) if name != "ppo"]
+        terms = grpo_family_valid_terms(
+            family,
+            valid.new_logp,
+            base,
+            valid.ref_logp,
+            valid.advantages,
+            valid.cu_seqlens,
+            clip_low=config.epsilon,
+            clip_high=config.epsilon_high,
+            beta=config.beta,
+            tau_pos=config.tau_pos,
+            tau_neg=config.tau_neg,
+            max_completion_length=config.max_completion_length,
+        )
         for name in self._selected(config):
             if name == "ppo":
-                num, den, stats = ppo_actor_loss_terms(
-                    valid.new_logp,
-                    base,
-                    valid.old_logp if valid.old_logp is not None else base,
-                    valid.advantages,
-                    config.epsilon,
-                    mask,
-                    eps_clip_higher=config.epsilon_high,
-                    c_clip=config.c_clip,
-                    rejection_sampling=config.rejection_sampling(),
-                    importance_sampling_level=config.importance_level,
-                    cu_seqlens=valid.cu_seqlens,
-                )
+                num, den, stats = valid_ppo_terms(valid, config)
                 state.update(n_dual=stats["dual_clip_mask"].sum(), n_tokens=torch.tensor(valid.n_tokens))
             else:
-                num, den = grpo_family_loss_terms(
-                    name,
-                    valid.new_logp,
-                    base,
-                    valid.ref_logp,
-                    valid.advantages,
-                    mask,
-                    valid.cu_seqlens,
-                    clip_low=config.epsilon,
-                    clip_high=config.epsilon_high,
-                    beta=config.beta,
-                    tau_pos=config.tau_pos,
-                    tau_neg=config.tau_neg,
-                    max_completion_length=config.max_completion_length,
-                )
+                num, den = terms[name]
             state.update(**{f"{name}_num": num.detach(), f"{name}_den": den})
 
     def compute(self, state: MetricState, config: AnalyzeConfig) -> dict[str, Any]:

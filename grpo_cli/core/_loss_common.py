@@ -13,7 +13,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from grpo_cli.core.packing import segment_ids
+from grpo_cli.core.packing import segment_ids, segment_sum
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -108,7 +108,8 @@ def seq_count(mask_flat: Tensor, cu: Tensor) -> Tensor:
     out = torch.zeros(n_seq, dtype=torch.int64, device=mask_flat.device)
     if mask_flat.numel() == 0:
         return out
-    return out.index_add_(0, seq_ids(cu, mask_flat.numel()), mask_flat.to(torch.int64))
+    # A float64 segmented sum of 0/1 values is exact (counts < 2^53) and much faster than an int64 index_add_.
+    return segment_sum(mask_flat.to(torch.float64), cu, torch.float64).to(torch.int64)
 
 
 def seq_sum64(values: Tensor, mask_flat: Tensor, cu: Tensor) -> Tensor:
@@ -118,7 +119,7 @@ def seq_sum64(values: Tensor, mask_flat: Tensor, cu: Tensor) -> Tensor:
     if values.numel() == 0:
         return out
     neutral = torch.where(mask_flat, values, torch.zeros((), dtype=values.dtype, device=values.device))
-    return out.index_add(0, seq_ids(cu, values.numel()), neutral.to(torch.float64))
+    return segment_sum(neutral, cu, torch.float64)
 
 
 def masked_sum64(values: Tensor, mask: Tensor) -> Tensor:

@@ -61,6 +61,7 @@ def actor_stats_update(
     clip_mask: Tensor | None = None,
     new_logp: Tensor | None = None,
     old_logp: Tensor | None = None,
+    prompt_lengths: Tensor | None = None,
 ) -> None:
     """Fold one batch into ``state``.
 
@@ -73,17 +74,22 @@ def actor_stats_update(
         log_ratio: ``[M]`` ``new − base`` of the valid tokens, or None.
         clip_mask: ``[M]`` bool, AReaL's PPO clip mask of the valid tokens, or None.
         new_logp, old_logp: ``[M]`` log-probs of the valid tokens, for the clipped-token means.
+        prompt_lengths: ``[B]`` position of each sequence's first loss-mask token (its length when it has none),
+            if the caller already knows them; otherwise they are found by scanning ``loss_mask``.
     """
     lengths = lengths_from_cu_seqlens(cu_seqlens)
     n_seq = lengths.numel()
     state.update(n_seq=torch.tensor(n_seq))
     if n_seq:
-        n = loss_mask.numel()
-        position = torch.arange(n, device=loss_mask.device) - cu_seqlens[:-1].to(loss_mask.device)[
-            segment_ids(cu_seqlens, n)
-        ]
-        first = segment_min(torch.where(loss_mask, position.to(_F64), torch.inf), cu_seqlens)
-        prompt = torch.where(torch.isinf(first), lengths.to(_F64), first)  # no loss-mask token: all prompt
+        if prompt_lengths is None:
+            n = loss_mask.numel()
+            position = torch.arange(n, device=loss_mask.device) - cu_seqlens[:-1].to(loss_mask.device)[
+                segment_ids(cu_seqlens, n)
+            ]
+            first = segment_min(torch.where(loss_mask, position.to(_F64), torch.inf), cu_seqlens)
+            prompt = torch.where(torch.isinf(first), lengths.to(_F64), first)  # no loss-mask token: all prompt
+        else:
+            prompt = prompt_lengths
         _lengths(state, "prompt", prompt)
         _lengths(state, "total", lengths)
     if no_eos is not None:

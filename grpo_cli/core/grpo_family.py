@@ -8,6 +8,8 @@ Conventions follow twinkle (``shared/reference/twinkle.md`` §2–3) and TRL; se
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -22,10 +24,18 @@ from grpo_cli.core._loss_common import (
     seq_ids,
     seq_sum64,
     sigmoid,
+    validate_cu_seqlens,
 )
 from grpo_cli.core.kl import kl_from_log_ratio
+from grpo_cli.core.packing import lengths_from_cu_seqlens, segment_sum
 
-__all__ = ["GRPO_VARIANTS", "LOG_RATIO_CLAMP", "grpo_family_loss_terms", "grpo_family_per_token_loss"]
+__all__ = [
+    "GRPO_VARIANTS",
+    "LOG_RATIO_CLAMP",
+    "grpo_family_loss_terms",
+    "grpo_family_per_token_loss",
+    "grpo_family_valid_terms",
+]
 
 GRPO_VARIANTS: tuple[str, ...] = ("grpo", "gspo", "sapo", "cispo", "bnpo", "dr_grpo")
 # twinkle clamps the token log-ratio to ±20 before exp (and before the GSPO mean); TRL does not clamp.
@@ -97,21 +107,121 @@ def grpo_family_per_token_loss(
         log_w = (seq_sum64(log_w, mflat, cu) / n_s).to(cd)[seq_ids(cu, lp.numel())]
     ratio = torch.exp(log_w)
 
-    if variant == "sapo":
-        gate_pos = sigmoid(tp * (ratio - 1.0)) * (4.0 / tp)
-        gate_neg = sigmoid(tn * (ratio - 1.0)) * (4.0 / tn)
-        per_token = -torch.where(adv > 0, gate_pos, gate_neg) * adv
-    elif variant == "cispo":
-        per_token = -torch.clamp(ratio, max=1.0 + eps_hi).detach() * adv * lp
-    else:
-        per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - eps_lo, 1.0 + eps_hi) * adv)
+    per_token = _surrogate(variant, ratio, adv, lp, eps_lo, eps_hi, tp, tn)
     if b > 0 and ref_logp is not None:
-        # k3 of KL(π_θ‖π_ref) from π_θ samples (twinkle/TRL): exp(ref − ℓ) − (ref − ℓ) − 1, unclamped.
-        per_token = per_token + b * kl_from_log_ratio(lp - _flat(ref_logp.detach()), "k3")
+        per_token = per_token + b * _ref_k3(lp, _flat(ref_logp.detach()))
     if ec > 0:
         assert entropy is not None
         per_token = per_token - ec * _flat(entropy)
     return torch.where(mflat, per_token, zero)
+
+
+def _surrogate(
+    variant: str, ratio: Tensor, adv: Tensor, lp: Tensor, eps_lo: float, eps_hi: float, tp: float, tn: float
+) -> Tensor:
+    """The per-token policy term of ``variant`` (the formulas of :func:`grpo_family_per_token_loss`)."""
+    if variant == "sapo":
+        gate_pos = sigmoid(tp * (ratio - 1.0)) * (4.0 / tp)
+        gate_neg = sigmoid(tn * (ratio - 1.0)) * (4.0 / tn)
+        return -torch.where(adv > 0, gate_pos, gate_neg) * adv
+    if variant == "cispo":
+        return -torch.clamp(ratio, max=1.0 + eps_hi).detach() * adv * lp
+    return -torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - eps_lo, 1.0 + eps_hi) * adv)
+
+
+def _ref_k3(lp: Tensor, ref: Tensor) -> Tensor:
+    # k3 of KL(π_θ‖π_ref) from π_θ samples (twinkle/TRL): exp(ref − ℓ) − (ref − ℓ) − 1, unclamped.
+    return kl_from_log_ratio(lp - ref, "k3")
+
+
+def grpo_family_valid_terms(
+    variants: Sequence[str],
+    logp: Tensor,
+    old_logp: Tensor,
+    ref_logp: Tensor | None,
+    advantages: Tensor,
+    cu_seqlens: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    beta: float = 0.0,
+    tau_pos: float = 1.0,
+    tau_neg: float | None = None,
+    max_completion_length: int = 1024,
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """:func:`grpo_family_loss_terms` for several variants at once, over packed tokens that *all* enter the loss.
+
+    The streaming pass calls this on a batch already compacted to its loss-mask tokens, where a mask would be all
+    ones. Every ``torch.where`` against it is then the identity, and the log-ratio, the ratio, the clipped
+    surrogate (the same for ``grpo``, ``bnpo`` and ``dr_grpo``), the token sum (``bnpo``, ``dr_grpo``) and the
+    per-sequence counts are shared across variants instead of being rebuilt per variant. The operations that
+    remain are those of :func:`grpo_family_loss_terms` in the same order, so each ``(numerator, denominator)`` is
+    bitwise that function's with ``mask = ones`` (tested). Inputs are detached: this is for figures, not training.
+
+    Returns:
+        ``{variant: (numerator, denominator)}`` as float64 scalars, for ``variants`` in order.
+
+    Example:
+        >>> lp = torch.log(torch.tensor([1.5, 1.0, 0.5])); old = torch.zeros(3); cu = torch.tensor([0, 2, 3])
+        >>> terms = grpo_family_valid_terms(["grpo", "bnpo"], lp, old, None, torch.tensor([1.0, 1.0, -1.0]), cu)
+        >>> # per token -1.2, -1, 0.8; grpo: seq means -1.1 and 0.8 over 2 seqs; bnpo: the token sum over 3 tokens
+        >>> [(round(n.item(), 6), d.item()) for n, d in terms.values()]
+        [(-0.3, 2.0), (-1.4, 3.0)]
+    """
+    for variant in variants:
+        _check_variant(variant)
+    eps_lo = check_real(clip_low, "clip_low", minimum=0.0)
+    eps_hi = eps_lo if clip_high is None else check_real(clip_high, "clip_high", minimum=0.0)
+    b = check_real(beta, "beta", minimum=0.0)
+    tp = check_real(tau_pos, "tau_pos", minimum=0.0, strict=True)
+    tn = tp if tau_neg is None else check_real(tau_neg, "tau_neg", minimum=0.0, strict=True)
+    mcl = max_completion_length
+    if isinstance(mcl, bool) or not isinstance(mcl, int) or mcl <= 0:
+        raise ValueError(f"max_completion_length must be a positive int, got {mcl!r}")
+    if logp.ndim != 1:
+        raise ValueError(f"expected packed 1-D tokens, got shape {tuple(logp.shape)}")
+    check_same_shape("logp", logp, old_logp=old_logp, ref_logp=ref_logp, advantages=advantages)
+    cu = validate_cu_seqlens(cu_seqlens.to(logp.device), logp.numel())
+    cd = compute_dtype(logp.dtype)
+    lp = logp.detach().to(cd)
+    adv = advantages.detach().to(cd)
+    log_w = (lp - old_logp.detach().to(cd)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    kl = b * _ref_k3(lp, ref_logp.detach().to(cd)) if b > 0 and ref_logp is not None else None
+    n_seq = torch.tensor(float(cu.numel() - 1), dtype=torch.float64, device=logp.device)
+    n_tok = torch.tensor(float(lp.numel()), dtype=torch.float64, device=logp.device)  # Σ m with m all ones
+    ids = seq_ids(cu, lp.numel())
+    counts = lengths_from_cu_seqlens(cu)  # seq_count of an all-ones mask
+    cache: dict[str, Tensor] = {}
+
+    def per_token(variant: str) -> Tensor:
+        shape = "clip" if variant in ("grpo", "bnpo", "dr_grpo") else variant  # one clipped surrogate for three
+        if shape not in cache:
+            if variant == "gspo":
+                # GSPO's sequence-mean log-ratio on every token, as in grpo_family_per_token_loss.
+                n_s = counts.clamp(min=1).to(torch.float64)
+                w = segment_sum(log_w, cu, torch.float64)
+                ratio = torch.exp((w / n_s).to(cd).index_select(0, ids))
+            else:
+                if "ratio" not in cache:
+                    cache["ratio"] = torch.exp(log_w)
+                ratio = cache["ratio"]
+            value = _surrogate(variant, ratio, adv, lp, eps_lo, eps_hi, tp, tn)
+            cache[shape] = value if kl is None else value + kl
+        return cache[shape]
+
+    out: dict[str, tuple[Tensor, Tensor]] = {}
+    token_sums: dict[str, Tensor] = {}
+    for variant in variants:
+        values = per_token(variant)
+        if variant in ("bnpo", "cispo", "dr_grpo"):
+            key = "cispo" if variant == "cispo" else "clip"
+            if key not in token_sums:
+                token_sums[key] = values.to(torch.float64).sum()
+            out[variant] = (token_sums[key], n_seq * mcl if variant == "dr_grpo" else n_tok)
+        else:
+            seq_sums = segment_sum(values, cu, torch.float64)  # seq_sum64 with an all-ones mask
+            out[variant] = ((seq_sums / counts.clamp(min=1)).sum(), n_seq)
+    return out
 
 
 def grpo_family_loss_terms(

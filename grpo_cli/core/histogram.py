@@ -88,19 +88,24 @@ def histogram_bins(values: Tensor) -> Tensor:
         >>> histogram_bins(torch.tensor([0.0, 1.0, float("nan"), -1.0, float("inf")])).tolist()[2:]
         [16387, 16387, 16386]
     """
+    return _bins32(values).to(torch.int64)
+
+
+def _bins32(values: Tensor) -> Tensor:
+    """:func:`histogram_bins` as int32 (every index fits), built in place: fresh full-size temporaries, not the
+    arithmetic, are what this costs on a CPU."""
     x = values.detach().to(torch.float32)
-    bits = x.view(torch.int32).to(torch.int64)  # sign bit set → negative int (negative values, −0.0, −NaN)
-    key = bits >> _SHIFT
-    main = key - _FIRST_KEY + _MAIN0
-    idx = torch.where(key >= _FIRST_KEY + N_MAIN, OVERFLOW, main)
-    idx = torch.where(key < _FIRST_KEY, UNDERFLOW, idx)
-    idx = torch.where(x == 0, ZERO, idx)  # +0.0 and −0.0
-    return torch.where(torch.isnan(x) | (x < 0), INVALID, idx)
+    # The key bits >> _SHIFT of a positive value is its main bin shifted by a constant; keys past the top land on
+    # OVERFLOW (the next index) and below the bottom on UNDERFLOW (the previous one), so one clamp places every
+    # positive value, +inf included. The sign bit makes negative values (−0.0, −NaN) negative keys.
+    idx = (x.view(torch.int32) >> _SHIFT).sub_(_FIRST_KEY - _MAIN0).clamp_(UNDERFLOW, OVERFLOW)
+    idx.masked_fill_(x == 0, ZERO)  # +0.0 and −0.0
+    return idx.masked_fill_(~(x >= 0), INVALID)  # exactly NaN and negative values fail x >= 0
 
 
 def histogram_counts(values: Tensor) -> Tensor:
     """``[N_BINS]`` int64 counts of ``values`` (an unweighted ``bincount``: deterministic on every device)."""
-    return torch.bincount(histogram_bins(values).reshape(-1), minlength=N_BINS)
+    return torch.bincount(_bins32(values).reshape(-1), minlength=N_BINS)
 
 
 def bin_edges(index: int) -> tuple[float, float]:

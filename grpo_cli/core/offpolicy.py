@@ -30,7 +30,7 @@ from torch import Tensor
 
 from grpo_cli.core.histogram import distribution_compute, distribution_specs, distribution_update
 from grpo_cli.core.kl import kl_estimate
-from grpo_cli.core.packing import lengths_from_cu_seqlens, segment_ids
+from grpo_cli.core.packing import lengths_from_cu_seqlens, segment_sum
 from grpo_cli.core.policy_stats import _rescale
 from grpo_cli.core.rejection import RejectionSamplingConfig, apply_rejection_sampling
 from grpo_cli.core.state import MetricState, count, maximum, minimum, total
@@ -274,12 +274,10 @@ def importance_update(
     non_empty = lengths > 0
     n_tok = lengths[non_empty].to(torch.float64)
     n = new.numel()
-    # Per-sequence float64 sums of new (and old, log w) in one pass over the segment ids.
+    # Per-sequence float64 sums of new (and old, log w): segmented sums of contiguous runs, column by column (the
+    # bits of an index_add_ over the stacked columns, without building the [N, 3] float64 copy).
     columns = [new] if old is None else [new, old, new - old]
-    seq_sums = torch.zeros((lengths.numel(), len(columns)), dtype=torch.float64, device=new.device)
-    if n:
-        stacked = torch.stack([c.to(torch.float64) for c in columns], dim=1)
-        seq_sums.index_add_(0, segment_ids(cu_seqlens, n), stacked)
+    seq_sums = torch.stack([segment_sum(c, cu_seqlens, torch.float64) for c in columns], dim=1)
     seq_sums = seq_sums[non_empty]
     mean_new = seq_sums[:, 0] / n_tok
     # verl compute_offpolicy_metrics: training_ppl = batch mean of per-sequence exp(−mean log-prob).

@@ -7,6 +7,9 @@ Every per-token tensor in the core is either *packed* (1-D, ``N`` tokens, with `
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 from torch import Tensor
 
@@ -42,19 +45,57 @@ def lengths_from_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
     return cu[1:] - cu[:-1]
 
 
+class _SegmentIdsCache(threading.local):
+    """The last few :func:`segment_ids` results, per thread.
+
+    A batch's ``cu_seqlens`` is shared by every metric group, and each used to rebuild the same ``[N]`` ids (a
+    ``repeat_interleave``, the costliest step of many per-sequence reductions). An entry is reused only for the
+    very same tensor object (a weak reference, so a freed tensor never matches a new one at the same address),
+    unmodified since (``_version``, bumped by every in-place op) and with ids that were not modified in place either.
+    """
+
+    SIZE = 8
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[weakref.ref[Tensor], int, int, Tensor, int]] = []
+
+    def get(self, cu_seqlens: Tensor, n_tokens: int) -> Tensor | None:
+        for ref, version, n, ids, ids_version in self.entries:
+            if ref() is cu_seqlens and version == cu_seqlens._version and n == n_tokens and (
+                ids._version == ids_version
+            ):
+                return ids
+        return None
+
+    def put(self, cu_seqlens: Tensor, n_tokens: int, ids: Tensor) -> None:
+        entry = (weakref.ref(cu_seqlens), cu_seqlens._version, n_tokens, ids, ids._version)
+        self.entries = [entry, *[e for e in self.entries if e[0]() is not None][: self.SIZE - 1]]
+
+
+_segment_ids_cache = _SegmentIdsCache()
+
+
 def segment_ids(cu_seqlens: Tensor, n_tokens: int | None = None) -> Tensor:
-    """Sequence index of every token (int64), e.g. ``[0, 0, 2, 2, 2]`` for lengths ``[2, 0, 3]``."""
+    """Sequence index of every token (int64), e.g. ``[0, 0, 2, 2, 2]`` for lengths ``[2, 0, 3]``.
+
+    The result is memoised for the same ``cu_seqlens`` tensor (see :class:`_SegmentIdsCache`): treat it as
+    read-only.
+    """
+    total = int(cu_seqlens[-1] - cu_seqlens[0]) if n_tokens is None else n_tokens
+    cached = _segment_ids_cache.get(cu_seqlens, total)
+    if cached is not None:
+        return cached
     lengths = lengths_from_cu_seqlens(cu_seqlens)
     ids = torch.arange(lengths.numel(), device=cu_seqlens.device)
-    total = int(cu_seqlens[-1] - cu_seqlens[0]) if n_tokens is None else n_tokens
-    return torch.repeat_interleave(ids, lengths, output_size=total)
+    out = torch.repeat_interleave(ids, lengths, output_size=total)
+    _segment_ids_cache.put(cu_seqlens, total, out)
+    return out
 
 
 def broadcast_to_tokens(per_sequence: Tensor, cu_seqlens: Tensor, n_tokens: int | None = None) -> Tensor:
     """Repeat one value per sequence over that sequence's tokens."""
-    lengths = lengths_from_cu_seqlens(cu_seqlens)
-    total = int(cu_seqlens[-1] - cu_seqlens[0]) if n_tokens is None else n_tokens
-    return torch.repeat_interleave(per_sequence, lengths, dim=0, output_size=total)
+    # A gather through the (memoised) segment ids: the same values as repeat_interleave, several times faster.
+    return per_sequence.index_select(0, segment_ids(cu_seqlens, n_tokens).to(per_sequence.device))
 
 
 def segment_sum(values: Tensor, cu_seqlens: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -74,6 +115,11 @@ def segment_sum(values: Tensor, cu_seqlens: Tensor, dtype: torch.dtype | None = 
     out = torch.zeros(n_seq, dtype=dtype, device=values.device)
     if values.numel() == 0:
         return out
+    if dtype.is_floating_point and values.ndim == 1:
+        # Sequences are contiguous runs, so a segmented reduction does it: each sum runs through its tokens in
+        # order, as index_add_ would (the same bits), but several times faster and without CUDA atomics.
+        lengths = lengths_from_cu_seqlens(cu_seqlens).to(values.device)
+        return torch.segment_reduce(values.to(dtype), "sum", lengths=lengths, unsafe=True)
     return out.index_add_(0, segment_ids(cu_seqlens, values.numel()), values.to(dtype))
 
 

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_cli.core.histogram import N_BINS, QUANTILE_REL_ERROR, histogram_counts, histogram_quantiles
+from grpo_cli.core.histogram import N_BINS, QUANTILE_REL_ERROR, ZERO, histogram_counts, histogram_quantiles
 from grpo_cli.core.ppo import ppo_actor_loss_terms
 from grpo_cli.core.prox import (
     PROX_APPROX_METHODS,
@@ -56,6 +56,7 @@ from grpo_cli.core.prox import (
 )
 from grpo_cli.core.rejection import RejectionSamplingConfig, apply_rejection_sampling
 from grpo_cli.core.staleness import MAX_LAG as STALENESS_MAX_LAG
+from grpo_cli.core.staleness import lag_bin_sums
 from grpo_cli.core.state import MetricState, count, maximum, total
 
 __all__ = [
@@ -233,21 +234,24 @@ def _masked_max(values: Tensor, mask: Tensor) -> Tensor:
 
 
 def _bin_counts(bins: Tensor, mask: Tensor, n_bins: int) -> Tensor:
-    """Tokens per bin over ``mask`` (an unweighted integer ``bincount``: deterministic on every device)."""
-    return torch.bincount(bins[mask], minlength=n_bins)
+    """Tokens per bin over ``mask`` (an unweighted integer ``bincount``: deterministic on every device).
+
+    Tokens outside ``mask`` are counted in a spare bin ``n_bins`` that is then dropped, which avoids compacting
+    ``bins`` (a boolean index costs a full search of the mask)."""
+    return torch.bincount(bins.masked_fill(~mask, n_bins), minlength=n_bins + 1)[:n_bins]
 
 
-def _bin_sums(bins: Tensor, values: Tensor, mask: Tensor, n_bins: int) -> Tensor:
-    """Float64 Σ ``values`` per bin over ``mask``.
+def _bin_sums(bins: Tensor, values: Tensor, present: list[int], n_bins: int) -> Tensor:
+    """Float64 Σ ``values`` per bin (``values`` already 0 outside the compared tokens, ``present``: the bins with
+    compared tokens), with :func:`grpo_cli.core.staleness.lag_bin_sums` (segmented sums over runs of equal lag, no
+    atomics); a 0 outside the mask adds nothing to its run."""
+    return lag_bin_sums(bins, present, [values], n_bins)[0]
 
-    One ordinary reduction per bin present (a handful of lags), not a float ``index_add_`` whose CUDA atomics
-    would make the last bits depend on scheduling: the pattern of :mod:`grpo_cli.core.staleness`.
-    """
-    out = torch.zeros(n_bins, dtype=torch.float64, device=values.device)
-    zero = torch.zeros((), dtype=values.dtype, device=values.device)
-    for b in torch.unique(bins[mask]).tolist():
-        out[b] = torch.where(mask & (bins == b), values, zero).sum(dtype=torch.float64)
-    return out
+
+def _without_zeros(counts: Tensor, n_zeros: Tensor | int) -> Tensor:
+    counts = counts.clone()
+    counts[ZERO] -= n_zeros
+    return counts
 
 
 def prox_compare_update(
@@ -320,7 +324,10 @@ def prox_compare_update(
         n_valid=valid.sum(),
         lag_max=_masked_max(lag, compared),
     )
-    state.update(**{"lag/n": _bin_counts(lag_bin, compared, n_lag)})
+    lag_counts = _bin_counts(lag_bin, compared, n_lag)
+    state.update(**{"lag/n": lag_counts})
+    present = torch.nonzero(lag_counts).flatten().tolist()
+    n_outside = new.numel() - n_compared  # tokens whose errors are 0 (prox_approximation_errors' contract)
 
     approximations = compute_prox_logp_approximations(old, new, ver, v_theta, methods)
     for m in methods:
@@ -330,10 +337,11 @@ def prox_compare_update(
             **{f"{m}/{key}": errors[key].sum(dtype=torch.float64) for key in PROX_ERROR_KEYS},
             **{
                 f"{m}/abs_error_max": _masked_max(abs_error, compared),
-                # the shared fixed-edge histogram (grpo_cli.core.histogram) of the compared tokens' |d|
-                f"{m}/abs_error_hist": histogram_counts(abs_error[compared]),
-                f"{m}/lag/abs_error": _bin_sums(lag_bin, abs_error, compared, n_lag),
-                f"{m}/lag/squared_error": _bin_sums(lag_bin, errors["squared_error"], compared, n_lag),
+                # the shared fixed-edge histogram (grpo_cli.core.histogram) of the compared tokens' |d|: every
+                # other token holds an exact 0, so it is counted out of the zero bin instead of compacting |d|
+                f"{m}/abs_error_hist": _without_zeros(histogram_counts(abs_error), n_outside),
+                f"{m}/lag/abs_error": _bin_sums(lag_bin, abs_error, present, n_lag),
+                f"{m}/lag/squared_error": _bin_sums(lag_bin, errors["squared_error"], present, n_lag),
             },
         )
 
@@ -358,7 +366,7 @@ def prox_compare_update(
         n_loss=n0.to(torch.int64),
         loss_truth=num_truth,
         n_clip_tokens=n_compared,
-        **{"lag/n_clip": _bin_counts(lag_bin, compared, n_lag)},
+        **{"lag/n_clip": lag_counts},
     )
     for m in methods:
         num, _, stats = ppo_actor_loss_terms(new, approximations[m], old, adv, eps_clip, valid, **loss_kwargs)

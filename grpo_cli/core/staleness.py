@@ -14,8 +14,9 @@ or one int, see :func:`~grpo_cli.core.prox.broadcast_current_version`):
 - ``sanity/on_policy_ratio_dev`` = max |w − 1| over lag-0 tokens (sampled by the trainer's own weights, so
   w ≡ 1 up to numerics; slime checks this in CI).
 
-Per-bin float sums are reduced bin by bin with ordinary (deterministic) reductions over the bins present, never
-with atomics, so the figures are bit-reproducible on CUDA too; per-bin counts are an integer ``bincount``.
+Per-bin float sums (:func:`lag_bin_sums`) are segmented sums over runs of equal lag followed by ordinary
+reductions per bin, never atomics, so the figures are bit-reproducible on CUDA too; per-bin counts are an integer
+``bincount``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from grpo_cli.core.offpolicy import working_logp
 from grpo_cli.core.prox import broadcast_current_version
 from grpo_cli.core.state import MetricState, count, maximum, minimum, total
 
-__all__ = ["MAX_LAG", "N_LAG_BINS", "staleness_compute", "staleness_state", "staleness_update"]
+__all__ = ["MAX_LAG", "N_LAG_BINS", "lag_bin_sums", "staleness_compute", "staleness_state", "staleness_update"]
 
 MAX_LAG = 64
 """Lags ``0 … MAX_LAG − 1`` get a bin each; larger lags share the overflow bin."""
@@ -60,14 +61,31 @@ def staleness_state(device: torch.device | str | None = None) -> MetricState:
     return MetricState(specs, device)
 
 
-def _per_bin_sums(bins: Tensor, values: Tensor) -> Tensor:
-    # A deterministic reduction per bin present (few: lags rarely exceed a handful), instead of a float index_add_,
-    # whose CUDA atomics would make the last bits depend on scheduling.
-    out = torch.zeros(N_LAG_BINS, dtype=torch.float64, device=values.device)
-    zero = torch.zeros((), dtype=values.dtype, device=values.device)
-    for b in torch.unique(bins).tolist():
-        out[b] = torch.where(bins == b, values, zero).sum(dtype=torch.float64)
-    return out
+def lag_bin_sums(bins: Tensor, present: list[int], columns: list[Tensor], n_bins: int = N_LAG_BINS) -> list[Tensor]:
+    """Float64 ``Σ values`` per lag bin for each tensor of ``columns`` (``present``: the bins that occur).
+
+    Tokens of one sequence usually share a lag, so the bins form long runs in token order: each column is summed
+    run by run (a segmented reduction, in token order within a run), and the run sums of each bin are then added
+    with an ordinary (pairwise) reduction. No float ``index_add_`` (whose CUDA atomics would make the last bits
+    depend on scheduling) and no full-length mask per bin: the figures are bit-reproducible on every device and
+    agree with any other summation order to float64 rounding.
+
+    Example:
+        >>> bins = torch.tensor([0, 0, 2, 2, 0])
+        >>> lag_bin_sums(bins, [0, 2], [torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])], n_bins=3)[0].tolist()
+        [8.0, 0.0, 7.0]
+    """
+    run_bins, run_lengths = torch.unique_consecutive(bins, return_counts=True)
+    in_bin = {b: run_bins == b for b in present} if len(present) > 1 else {}
+    outs = []
+    for values in columns:
+        out = torch.zeros(n_bins, dtype=torch.float64, device=bins.device)
+        if values.numel():
+            runs = torch.segment_reduce(values.to(torch.float64), "sum", lengths=run_lengths, unsafe=True)
+            for b in present:
+                out[b] = runs.sum() if len(present) == 1 else torch.where(in_bin[b], runs, 0.0).sum()
+        outs.append(out)
+    return outs
 
 
 def staleness_update(
@@ -101,38 +119,38 @@ def staleness_update(
         kl_clamp: ``--kl-clamp`` for the per-lag k3, as for ``kl/k3``.
     """
     current = broadcast_current_version(current_version, versions, cu_seqlens=cu_seqlens)
-    generated = versions >= 0
-    lag = (current.to(torch.int64) - versions.to(torch.int64))[generated]
-    n = lag.numel()
+    # The generated tokens' positions, found once and gathered from every column (boolean indexing would search
+    # the mask again per column).
+    is_generated = versions >= 0
+    everything = bool(is_generated.all())  # the usual case: valid tokens are generated ones
+    generated = None if everything else torch.nonzero(is_generated).flatten()
+    n = versions.numel() if generated is None else generated.numel()
     if n == 0:
         return
+
+    def pick(values: Tensor) -> Tensor:
+        return values if generated is None else values.index_select(0, generated)
+
+    lag = pick(current.to(torch.int64)) - pick(versions.to(torch.int64))
     bins = torch.where(lag < 0, _NEGATIVE, lag.clamp(max=_OVERFLOW))
-    state.update(
-        n=torch.tensor(n),
-        sum_lag=lag.sum(),
-        min_lag=lag.min(),
-        max_lag=lag.max(),
-        hist=torch.bincount(bins, minlength=N_LAG_BINS),
-    )
-    new = working_logp(new_logp, temperature)[generated]
+    hist = torch.bincount(bins, minlength=N_LAG_BINS)
+    state.update(n=torch.tensor(n), sum_lag=lag.sum(), min_lag=lag.min(), max_lag=lag.max(), hist=hist)
+    new = pick(working_logp(new_logp, temperature))
     if old_logp is not None:
-        old = working_logp(old_logp, temperature)[generated]
+        old = pick(working_logp(old_logp, temperature))
         x = new - old
         w = torch.exp(x)
-        state.update(
-            n_old=torch.tensor(n),
-            k3=_per_bin_sums(bins, kl_estimate(old, new, "k3", kl_clamp)),  # eˣ − 1 − x, as kl/k3
-            w=_per_bin_sums(bins, w),
-            abs_diff=_per_bin_sums(bins, x.abs()),
-        )
-        on_policy = lag == 0
-        if bool(on_policy.any()):
-            state.update(n_on_policy=on_policy.sum(), on_policy_dev=(w[on_policy].to(torch.float64) - 1).abs().max())
+        present = torch.nonzero(hist).flatten().tolist()
+        k3, w_sum, abs_diff = lag_bin_sums(bins, present, [kl_estimate(old, new, "k3", kl_clamp), w, x.abs()])
+        state.update(n_old=torch.tensor(n), k3=k3, w=w_sum, abs_diff=abs_diff)  # k3: eˣ − 1 − x, as kl/k3
+        if hist[0] > 0:  # lag-0 tokens (bin 0 holds exactly lag 0)
+            on_policy = lag == 0
+            state.update(n_on_policy=hist[0], on_policy_dev=(w[on_policy].to(torch.float64) - 1).abs().max())
     base = old_logp if ratio_base_logp is None else ratio_base_logp
     if base is not None and advantages is not None:
         eps_high = epsilon if epsilon_high is None else epsilon_high
-        ratio = torch.exp(new - working_logp(base, temperature)[generated])
-        adv = advantages[generated]
+        ratio = torch.exp(new - pick(working_logp(base, temperature)))
+        adv = pick(advantages)
         # The GRPO clip set of policy_stats (clip/ratio): r < 1 − ε with A < 0, or r > 1 + ε_high with A > 0.
         clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0))
         state.update(n_clip_tokens=torch.tensor(n), clipped=torch.bincount(bins[clipped], minlength=N_LAG_BINS))

@@ -26,7 +26,11 @@ from grpo_cli.io.schema import COLUMNS, REQUIRED_COLUMNS, ColumnKind, Layout
 
 __all__ = ["DEFAULT_BATCH_TOKENS", "RolloutDataset", "Shard", "expand_paths"]
 
-DEFAULT_BATCH_TOKENS = 1 << 20
+DEFAULT_BATCH_TOKENS = 1 << 18
+"""Tokens per streamed batch: memory grows with it (Arrow's decoding buffers, the tensors, the metric temporaries),
+while throughput on a CPU is flat from about 2^16 up (docs/performance.md)."""
+READ_BUFFER_BYTES = 1 << 20
+"""Bytes read from a file at a time while decoding (pages are streamed, never the whole column chunk)."""
 
 
 def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
@@ -230,7 +234,17 @@ class RolloutDataset:
     def _open(self, info: _FileInfo) -> pq.ParquetFile:
         try:
             # Page CRCs, where the writer stored them, turn a corrupted data page into an error instead of numbers.
-            return pq.ParquetFile(info.path, memory_map=True, page_checksum_verification=True)
+            # Pages are streamed through a small buffer rather than memory-mapped or pre-buffered: a mapping's pages
+            # and pre-buffered column chunks stay resident, so memory would grow with the row group (the whole file
+            # for pyarrow's default writer settings) instead of staying bounded by --batch-tokens. Decoding is the
+            # same speed (docs/performance.md).
+            return pq.ParquetFile(
+                info.path,
+                memory_map=False,
+                pre_buffer=False,
+                buffer_size=READ_BUFFER_BYTES,
+                page_checksum_verification=True,
+            )
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"cannot open ({_first_line(exc)})", file=str(info.path)) from None
 

@@ -217,7 +217,10 @@ class BatchValidator:
         raw = batch.loss_mask
         valid = raw if raw.dtype == torch.bool else raw != 0
         clean = replace(batch, loss_mask=valid)
-        if not self._any_problem(batch, raw, valid):
+        problem, view = self._any_problem(batch, raw)
+        if not problem:
+            if view is not None:
+                clean.memo()["valid"] = view  # the same compaction clean.valid() would build (TokenBatch.valid)
             return clean
         findings = self._findings(batch, raw, valid)
         if self.on_invalid is OnInvalid.error:
@@ -225,36 +228,46 @@ class BatchValidator:
         assert state is not None
         return self._skip(clean, findings, state)
 
-    # -- the clean path: one fused pass, one sync --------------------------------------------------------------
-    def _any_problem(self, batch: TokenBatch, raw: Tensor, valid: Tensor) -> bool:
+    # -- the clean path: reductions over the valid tokens, one sync --------------------------------------------
+    def _any_problem(self, batch: TokenBatch, raw: Tensor) -> tuple[bool, TokenBatch | None]:
+        """Whether any rule fails, and the batch's valid view (:meth:`TokenBatch.valid`, which every metric needs
+        next anyway). The checks run on the compacted valid tokens as min/max reductions (NaN propagates through
+        both, so it fails every bound) instead of full-length masks: no per-token boolean temporaries."""
         tol = self.tolerance
-        ok: Tensor | None = None
+        flags: list[Tensor] = []
+        if raw.dtype != torch.bool and raw.numel():
+            flags.append((raw.amin() < 0) | (raw.amax() > 1))
+        view = batch.valid()
+        if view.n_tokens:
 
-        def fold(column_ok: Tensor) -> None:
-            nonlocal ok
-            ok = column_ok if ok is None else ok.logical_and_(column_ok)
+            def outside(x: Tensor, low: float, high: float, *, strict_low: bool, strict_high: bool) -> Tensor:
+                lo, hi = x.amin(), x.amax()
+                ok_lo = lo > low if strict_low else lo >= low
+                ok_hi = hi < high if strict_high else hi <= high
+                return ~(ok_lo & ok_hi)
 
-        for column in LOGP_COLUMNS_CHECKED:
-            x = getattr(batch, column, None)
-            if x is not None:
-                fold((x <= tol) & (x > -math.inf))  # False for NaN, ±inf and positive values
-        if batch.entropy is not None:
-            fold((batch.entropy >= -tol) & (batch.entropy < math.inf))
-        if batch.advantages is not None:
-            fold(torch.isfinite(batch.advantages))
-        if batch.versions is not None:
-            fold(self._versions_ok(batch))
-        flags = []
-        if ok is not None:
-            flags.append((~ok & valid).any())
-        if raw.dtype != torch.bool:
-            flags.append(((raw < 0) | (raw > 1)).any())
+            for column in LOGP_COLUMNS_CHECKED:
+                x = getattr(view, column, None)
+                if x is not None:  # finite and <= tol: False for NaN, ±inf and positive values
+                    flags.append(outside(x, -math.inf, tol, strict_low=True, strict_high=False))
+            if view.entropy is not None:
+                flags.append(outside(view.entropy, -tol, math.inf, strict_low=False, strict_high=True))
+            if view.advantages is not None:
+                flags.append(outside(view.advantages, -math.inf, math.inf, strict_low=True, strict_high=True))
+            if view.versions is not None:
+                v = view.versions
+                flags.append(v.amin() < -1)
+                if view.current_version is not None:
+                    current = broadcast_to_tokens(view.current_version.to(v.device), view.cu_seqlens, view.n_tokens)
+                    flags.append((v > current).any())
+                elif self.current_version is not None:
+                    flags.append(v.amax() > self.current_version)
         if batch.rewards is not None:
             flags.append((~torch.isfinite(batch.rewards)).any())
         eos = getattr(batch, "eos", None)
         if eos is not None:
             flags.append(((eos < 0) | (eos > 1)).any())
-        return bool(torch.stack(flags).any()) if flags else False
+        return (bool(torch.stack(flags).any()) if flags else False), view
 
     def _versions_ok(self, batch: TokenBatch) -> Tensor:
         versions = batch.versions

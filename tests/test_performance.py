@@ -1,0 +1,246 @@
+"""The fast paths of the streaming pass (docs/performance.md) give the figures of the plain definitions.
+
+Each optimisation is checked against a reference written here: the generic per-variant loss function, a plain
+Python float64 loop, the ``torch.where`` formula of the histogram layout, or the slow path it replaces. Where the
+fast path keeps the same floating-point operations in the same order, the comparison is bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+
+from grpo_cli.areal_groups import _first_valid_positions
+from grpo_cli.core import histogram as H
+from grpo_cli.core.actor_stats import actor_stats_state, actor_stats_update
+from grpo_cli.core.batch import TokenBatch
+from grpo_cli.core.grpo_family import GRPO_VARIANTS, grpo_family_loss_terms, grpo_family_valid_terms
+from grpo_cli.core.packing import cu_seqlens_from_lengths, segment_ids, segment_sum
+from grpo_cli.core.staleness import lag_bin_sums
+from grpo_cli.io.validate import BatchValidator
+from grpo_cli.parallel import one_torch_thread
+from grpo_cli.streaming import prefetch, streamed
+
+
+def packed(lengths: list[int], *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    new = -torch.rand(n, generator=g) * 3
+    old = (new + torch.randn(n, generator=g) * 0.3).clamp(max=0)
+    ref = (new + torch.randn(n, generator=g) * 0.2).clamp(max=0)
+    adv = torch.randn(len(lengths), generator=g).repeat_interleave(torch.tensor(lengths))
+    cu = cu_seqlens_from_lengths(torch.tensor(lengths))
+    return [t.to(device=device, dtype=dtype) for t in (new, old, ref, adv)] + [cu.to(device)]
+
+
+# -- the GRPO-family losses, all variants at once --------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"beta": 0.05, "tau_pos": 1.5, "tau_neg": 0.7, "clip_high": 0.28, "max_completion_length": 64}],
+)
+def test_valid_terms_are_the_generic_terms_bit_for_bit(device, dtype, options):
+    # Empty sequences included: they count in grpo/gspo/sapo's denominator with a zero numerator.
+    new, old, ref, adv, cu = packed([5, 0, 9, 1, 0, 13], seed=3, dtype=dtype, device=device)
+    fast = grpo_family_valid_terms(GRPO_VARIANTS, new, old, ref, adv, cu, **options)
+    assert list(fast) == list(GRPO_VARIANTS)
+    ones = torch.ones_like(new, dtype=torch.bool)
+    for variant in GRPO_VARIANTS:
+        num, den = grpo_family_loss_terms(variant, new, old, ref, adv, ones, cu, **options)
+        assert torch.equal(fast[variant][0], num), variant
+        assert torch.equal(fast[variant][1], den), variant
+
+
+def test_valid_terms_with_no_tokens():
+    new, old, ref, adv, cu = packed([0, 0], seed=1)
+    terms = grpo_family_valid_terms(GRPO_VARIANTS, new, old, ref, adv, cu)
+    # No token: every numerator is 0; bnpo/cispo divide by 0 tokens, the others by 2 sequences (dr_grpo: 2·1024).
+    assert {v: (float(n), float(d)) for v, (n, d) in terms.items()} == {
+        "grpo": (0.0, 2.0), "gspo": (0.0, 2.0), "sapo": (0.0, 2.0), "cispo": (0.0, 0.0), "bnpo": (0.0, 0.0),
+        "dr_grpo": (0.0, 2048.0),
+    }
+
+
+# -- segmented sums and memoised segment ids ------------------------------------------------------------------------
+def test_segment_sum_is_the_sequential_float64_sum(device):
+    rng = random.Random(5)
+    lengths = [rng.choice([0, 1, 7, 300, 2000]) for _ in range(40)]
+    values = torch.randn(sum(lengths), generator=torch.Generator().manual_seed(5), dtype=torch.float32) * 100
+    cu = cu_seqlens_from_lengths(torch.tensor(lengths))
+    got = segment_sum(values.to(device), cu.to(device), torch.float64).cpu().tolist()
+    start = 0
+    for i, length in enumerate(lengths):
+        total = 0.0
+        for v in values[start:start + length].tolist():  # in token order, in float64 (Python floats)
+            total += v
+        assert got[i] == pytest.approx(total, rel=1e-13, abs=1e-12), i
+        start += length
+    if device == "cpu":
+        # The segmented reduction runs through each sequence in token order, as the index_add_ it replaced did.
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        old = torch.zeros(len(lengths), dtype=torch.float64).index_add_(0, ids, values.to(torch.float64))
+        assert torch.equal(torch.tensor(got, dtype=torch.float64), old)
+
+
+def test_segment_ids_are_memoised_and_never_stale():
+    cu = torch.tensor([0, 2, 2, 5])
+    first = segment_ids(cu, 5)
+    assert first.tolist() == [0, 0, 2, 2, 2]
+    assert segment_ids(cu, 5) is first  # the same tensor object: reused
+    first[0] = 7  # a caller modifying the ids in place must not poison the memo
+    assert segment_ids(cu, 5).tolist() == [0, 0, 2, 2, 2]
+    cu[1] = 1  # nor may an in-place change of cu_seqlens be missed
+    assert segment_ids(cu, 5).tolist() == [0, 1, 2, 2, 2]
+    equal_values = torch.tensor([0, 1, 2, 5])
+    assert segment_ids(equal_values, 5).tolist() == [0, 1, 2, 2, 2]
+
+
+# -- histogram bins without torch.where -----------------------------------------------------------------------------
+def where_bins(values: torch.Tensor) -> torch.Tensor:
+    """The layout's definition, one rule at a time (the formula before the in-place rewrite)."""
+    x = values.to(torch.float32)
+    key = x.view(torch.int32).to(torch.int64) >> (23 - H.MANTISSA_BITS)
+    first = (127 + H.MIN_EXPONENT) << H.MANTISSA_BITS
+    idx = torch.where(key >= first + H.N_MAIN, H.OVERFLOW, key - first + 2)
+    idx = torch.where(key < first, H.UNDERFLOW, idx)
+    idx = torch.where(x == 0, H.ZERO, idx)
+    return torch.where(torch.isnan(x) | (x < 0), H.INVALID, idx)
+
+
+def test_histogram_bins_match_the_layout_on_every_kind_of_value(device):
+    special = [0.0, -0.0, math.nan, -math.nan, math.inf, -math.inf, 2.0**-64, 2.0**-64 * 0.999, 2.0**64,
+               2.0**64 * 0.999, 1e-45, 3.4e38, -1e-30, -5.0, 1.0, 1.5]
+    g = torch.Generator().manual_seed(2)
+    random_bits = torch.randint(-(2**31), 2**31 - 1, (20000,), generator=g, dtype=torch.int32).view(torch.float32)
+    values = torch.cat([torch.tensor(special), torch.exp(torch.randn(20000, generator=g) * 40), random_bits])
+    for v in (values, values.to(torch.float64), values[:9000].reshape(30, 300)):
+        v = v.to(device)
+        assert torch.equal(H.histogram_bins(v), where_bins(v))
+        assert H.histogram_bins(v).dtype == torch.int64
+        assert torch.equal(H.histogram_counts(v), torch.bincount(where_bins(v).reshape(-1), minlength=H.N_BINS))
+
+
+# -- per-lag sums over runs ------------------------------------------------------------------------------------------
+def test_lag_bin_sums_equal_float64_sums_per_bin(device):
+    rng = random.Random(9)
+    bins, values = [], []
+    for _ in range(60):  # runs of one lag (a sequence), sometimes a token of another lag inside
+        lag = rng.choice([0, 1, 2, 5, 64, 65])
+        for _ in range(rng.randint(1, 30)):
+            bins.append(lag if rng.random() > 0.1 else rng.choice([0, 3]))
+            values.append(rng.uniform(-2, 2))
+    present = sorted(set(bins))
+    t_bins = torch.tensor(bins, device=device)
+    t_values = torch.tensor(values, dtype=torch.float32, device=device)
+    got = lag_bin_sums(t_bins, present, [t_values, t_values * 2])
+    for b in range(66):
+        expected = math.fsum(float(torch.tensor(v, dtype=torch.float32)) for v, k in zip(values, bins) if k == b)
+        assert float(got[0][b]) == pytest.approx(expected, rel=1e-12, abs=1e-12), b
+        assert float(got[1][b]) == pytest.approx(2 * expected, rel=1e-12, abs=1e-12), b
+    # A single bin: the plain sum.
+    one = lag_bin_sums(torch.full((5,), 3, device=device), [3], [torch.ones(5, device=device)])[0]
+    assert float(one[3]) == 5.0 and float(one.sum()) == 5.0
+
+
+# -- one compaction per batch, shared -------------------------------------------------------------------------------
+def batch_with_masks() -> TokenBatch:
+    lengths = [4, 3, 0, 5]
+    n = sum(lengths)
+    mask = torch.tensor([0, 1, 1, 0, 0, 0, 0, 1, 1, 0, 1, 1], dtype=torch.int8)  # sequence 1 has no valid token
+    return TokenBatch(
+        cu_seqlens=cu_seqlens_from_lengths(torch.tensor(lengths)),
+        new_logp=-torch.arange(1, n + 1, dtype=torch.float32) / 10,
+        loss_mask=mask,
+        versions=torch.tensor([-1, 3, 3, -1, -1, -1, -1, 2, 2, -1, 2, 2]),
+        current_version=torch.tensor([3, 3, 3, 4]),
+        rows=torch.arange(4),
+    )
+
+
+def test_valid_view_is_built_once_and_shared_by_the_validator():
+    batch = batch_with_masks()
+    clean = BatchValidator("error")(batch)
+    view = clean.valid()
+    assert clean.valid() is view  # memoised
+    fresh = replace(clean)._compact()  # what it must equal
+    for name in ("cu_seqlens", "new_logp", "versions", "positions", "loss_mask"):
+        assert torch.equal(getattr(view, name), getattr(fresh, name)), name
+    assert view.positions.tolist() == [1, 2, 0, 1, 3, 4]
+    assert replace(clean).memo() == {}  # a copy starts with an empty memo
+
+
+def test_validator_fast_path_still_finds_every_problem():
+    batch = batch_with_masks()
+    bad = replace(batch, new_logp=batch.new_logp.clone())
+    bad.new_logp[8] = float("nan")  # a valid token (sequence 3, position 1)
+    with pytest.raises(Exception, match="row 3, token 1"):
+        BatchValidator("error")(bad)
+    masked = replace(batch, new_logp=batch.new_logp.clone())
+    masked.new_logp[0] = float("nan")  # a masked token: not a problem
+    BatchValidator("error")(masked)
+    future = replace(batch, versions=batch.versions.clone())
+    future.versions[1] = 4  # above sequence 0's current version 3
+    with pytest.raises(Exception, match="above the sequence's current_version"):
+        BatchValidator("error")(future)
+
+
+def test_prompt_lengths_from_the_valid_view_equal_the_mask_scan():
+    batch = BatchValidator("error")(batch_with_masks())
+    view = batch.valid()
+    prompt = _first_valid_positions(batch, view)
+    # First valid positions 1, none (whole length 3), none (length 0), 0.
+    assert prompt.tolist() == [1, 3, 0, 0]
+    scanned, fast = actor_stats_state(), actor_stats_state()
+    actor_stats_update(scanned, cu_seqlens=batch.cu_seqlens, loss_mask=batch.loss_mask)
+    actor_stats_update(fast, cu_seqlens=batch.cu_seqlens, loss_mask=batch.loss_mask, prompt_lengths=prompt)
+    for name in scanned:
+        assert torch.equal(scanned[name].to(torch.float64), fast[name].to(torch.float64)), name
+
+
+# -- decoding ahead -------------------------------------------------------------------------------------------------
+def tiny(i: int) -> TokenBatch:
+    return TokenBatch(cu_seqlens=torch.tensor([0, 1]), new_logp=torch.tensor([-float(i)]),
+                      loss_mask=torch.ones(1, dtype=torch.bool))
+
+
+def test_prefetch_keeps_order_and_raises_where_the_error_was():
+    def source():
+        for i in range(5):
+            yield tiny(i)
+        raise ValueError("broken row group")
+
+    seen = []
+    with pytest.raises(ValueError, match="broken row group"):
+        for batch in prefetch(source(), depth=2):
+            seen.append(float(batch.new_logp))
+    assert seen == [0.0, -1.0, -2.0, -3.0, -4.0]
+
+
+def test_closing_early_stops_the_thread():
+    before = threading.active_count()
+    stream = prefetch((tiny(i) for i in range(1000)), depth=2)
+    assert float(next(stream).new_logp) == 0.0
+    stream.close()
+    assert threading.active_count() == before
+    with pytest.raises(ValueError):
+        next(prefetch([], depth=0))
+
+
+def test_streamed_batches_land_on_the_device(device):
+    batches = [tiny(i) for i in range(3)]
+    out = list(streamed(iter(batches), torch.device(device)))
+    assert [b.new_logp.device.type for b in out] == [device] * 3
+    assert [float(b.new_logp) for b in out] == [0.0, -1.0, -2.0]
+    assert not torch.are_deterministic_algorithms_enabled()  # restored after a CUDA pass
+
+
+def test_one_torch_thread_is_scoped():
+    before = torch.get_num_threads()
+    with one_torch_thread(torch.device("cpu")):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before

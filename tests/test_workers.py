@@ -1,0 +1,157 @@
+"""``--workers``: (file, row-group) units in worker processes, merged exactly (grpo_cli.parallel).
+
+The figures of ``--workers N`` must be the *same bytes* as ``--workers 1``: units are planned from the metadata and
+merged in unit order whoever computed them. Every dump here has many small row groups and runs with a tiny
+``--batch-tokens`` so that it splits into several units.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pyarrow.parquet as pq
+import pytest
+from reference import random_sequences, write_sequences
+
+from grpo_cli.analysis import AnalyzeConfig, CountsGroup, analyze
+from grpo_cli.cli import main
+from grpo_cli.errors import GrpoCliError, InputError
+from grpo_cli.io.reader import RolloutDataset, Shard
+from grpo_cli.parallel import UNIT_BATCHES, accumulate, available_cores, plan_units, split_by_bytes
+
+BATCH = 40  # tokens per batch → units of UNIT_BATCHES * 40 tokens: several per dump
+
+
+def run(capsys, *args):
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory):
+    seqs = random_sequences(80, seed=21, with_prox=True, max_len=24)
+    path = tmp_path_factory.mktemp("workers") / "d.parquet"
+    write_sequences(str(path), seqs, row_group_size=6)
+    return path
+
+
+def test_plan_units_cuts_contiguous_runs_of_enough_tokens():
+    # Token counts 3, 4, 9, 2, 2, 1 with at least 6 per unit: 3+4 → cut; 9 → cut; 2+2+1 = 5 is the short tail.
+    shards = [Shard(0, (g,), 0, 1, n, n) for g, n in enumerate([3, 4, 9, 2, 2, 1])]
+    units = plan_units(shards, 6)
+    assert [[s.row_groups[0] for s in unit] for unit in units] == [[0, 1], [2], [3, 4, 5]]
+    assert plan_units([], 6) == []
+    with pytest.raises(ValueError):
+        plan_units(shards, 0)
+
+
+def test_split_by_bytes_balances_contiguous_ranges():
+    # Total 12, two parts: the share 6 is met exactly after 1+2+3.
+    assert split_by_bytes([1, 2, 3, 6], 2) == [range(0, 3), range(3, 4)]
+    # Three parts of [5, 5, 5, 5, 5, 5] (shares 10 and 20): two items each.
+    assert split_by_bytes([5] * 6, 3) == [range(0, 2), range(2, 4), range(4, 6)]
+    # One huge item still leaves every range one item when there are enough items.
+    assert split_by_bytes([100, 1, 1, 1], 3) == [range(0, 1), range(1, 2), range(2, 4)]
+    # Fewer items than parts: every item lands in exactly one range.
+    ranges = split_by_bytes([7], 3)
+    assert sorted(i for r in ranges for i in r) == [0] and len(ranges) == 3
+    assert split_by_bytes([], 2) == [range(0, 0), range(0, 0)]
+
+
+def test_the_dump_splits_into_several_units(dump):
+    dataset = RolloutDataset([dump])
+    units = plan_units(dataset.shards(), UNIT_BATCHES * BATCH)
+    assert len(units) >= 4
+    # Every row group is in exactly one unit, in order.
+    order = [(s.file_index, s.row_groups) for unit in units for s in unit]
+    assert order == [(s.file_index, s.row_groups) for s in dataset.shards()]
+
+
+@pytest.mark.parametrize("extra", [[], ["--group-by", "step"], ["--on-invalid", "skip"]])
+def test_analyze_workers_gives_the_same_bytes(capsys, dump, extra):
+    base = ["analyze", dump, "-f", "json", "--batch-tokens", BATCH, *extra]
+    code, one, err = run(capsys, *base, "--workers", 1)
+    assert code == 0, err
+    code, three, err = run(capsys, *base, "--workers", 3)
+    assert code == 0, err
+    assert three == one
+    if "--group-by" in extra:
+        assert len(json.loads(one)["groups"]) == 8  # steps 0..7 (sequence index // 10)
+
+
+def test_compare_prox_workers_gives_the_same_bytes(capsys, dump):
+    base = ["compare-prox", dump, "-f", "json", "--batch-tokens", BATCH]
+    code, one, err = run(capsys, *base, "--workers", 1)
+    assert code == 0, err
+    code, two, err = run(capsys, *base, "--workers", 2)
+    assert code == 0, err
+    assert two == one
+
+
+def test_several_files_and_default_workers(capsys, tmp_path):
+    for i in range(3):
+        write_sequences(str(tmp_path / f"part-{i}.parquet"), random_sequences(20, seed=30 + i), row_group_size=5)
+    code, default, err = run(capsys, "analyze", tmp_path, "-f", "json", "--batch-tokens", BATCH)
+    assert code == 0, err
+    code, one, _ = run(capsys, "analyze", tmp_path, "-f", "json", "--batch-tokens", BATCH, "--workers", 1)
+    assert default == one
+    assert available_cores() >= 1
+
+
+def test_progress_counts_every_token_once(dump):
+    seen: list[int] = []
+    result = analyze(RolloutDataset([dump]), AnalyzeConfig(batch_tokens=BATCH), progress=seen.append, workers=2)
+    tokens = sum(len(v) for v in pq.read_table(dump, columns=["new_logp"]).column(0).to_pylist())
+    assert sum(seen) == result.metrics["n_tokens"] == tokens
+
+
+def test_a_workers_validation_error_is_the_same_line(capsys, tmp_path):
+    seqs = random_sequences(60, seed=5, max_len=20)
+    # Two offenders in different units; the first in file order must be reported, whichever worker finishes first.
+    for index in (27, 50):
+        seq = seqs[index]
+        t = seq.valid()[0]
+        seq.new[t] = 0.75
+    path = tmp_path / "bad.parquet"
+    write_sequences(str(path), seqs, row_group_size=4)
+    base = ["analyze", path, "-f", "json", "--batch-tokens", 30]
+    code1, out1, err1 = run(capsys, *base, "--workers", 1)
+    code2, out2, err2 = run(capsys, *base, "--workers", 2)
+    assert code1 == code2 == 2
+    assert out1 == out2 == ""
+    assert err2 == err1
+    assert "row 27" in err1 and "new_logp" in err1 and err1.count("\n") == 1
+
+
+def test_input_error_keeps_its_location_through_pickle():
+    error = InputError("bad value", file="a.parquet", column="new_logp", row=7, token=2)
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is InputError and str(back) == str(error)
+    assert (back.file, back.column, back.row, back.token, back.reason) == ("a.parquet", "new_logp", 7, 2, "bad value")
+
+
+def test_bad_workers_is_a_usage_error(capsys, dump):
+    code, _, err = run(capsys, "analyze", dump, "--workers", 0)
+    assert code == 2 and "--workers" in err
+
+
+class _DiesInAWorker(CountsGroup):
+    """A metric group that kills the worker process running it (as the OOM killer would)."""
+
+    parent = os.getpid()
+
+    def update(self, state, batch, valid, config):  # type: ignore[no-untyped-def]
+        if os.getpid() != self.parent:
+            os._exit(1)
+        super().update(state, batch, valid, config)
+
+
+def test_a_dead_worker_is_a_one_line_error(dump):
+    with pytest.raises(GrpoCliError, match="--workers process died"):
+        accumulate(RolloutDataset([dump]), AnalyzeConfig(batch_tokens=BATCH), [_DiesInAWorker()], workers=2)
+    # In process it is a plain group.
+    acc = accumulate(RolloutDataset([dump]), AnalyzeConfig(batch_tokens=BATCH), [_DiesInAWorker()], workers=1)
+    assert int(acc.overall[0]["n_sequences"]) == 80
