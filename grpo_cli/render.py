@@ -31,6 +31,7 @@ __all__ = [
     "make_console",
     "render_distributions",
     "render_group_table",
+    "render_omitted",
     "render_table",
     "render_trends",
     "sparkline",
@@ -385,10 +386,16 @@ def render_table(
                 *(format_value(record[c]) for c in ("kl", "ratio", "new_logp", "old_logp")),
             )
         console.print(table)
-    if omitted:
-        table = Table(title="Not computed", title_justify="left", style="dim")
-        table.add_column("metric", style="dim")
-        table.add_column("why", style="dim")
-        for key, reason in omitted.items():
-            table.add_row(key, reason)
-        console.print(table)
+    render_omitted(console, omitted)
+
+
+def render_omitted(console: Console, omitted: Mapping[str, str]) -> None:
+    """The figures that were not computed, each with the reason (nothing when every figure was)."""
+    if not omitted:
+        return
+    table = Table(title="Not computed", title_justify="left", style="dim")
+    table.add_column("metric", style="dim")
+    table.add_column("why", style="dim")
+    for key, reason in omitted.items():
+        table.add_row(key, reason)
+    console.print(table)

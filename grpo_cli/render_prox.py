@@ -16,7 +16,7 @@ from rich.text import Text
 
 from grpo_cli.compare_prox import lag_label
 from grpo_cli.keys import PROX_FIGURE_MEANINGS
-from grpo_cli.render import format_value
+from grpo_cli.render import format_value, render_omitted
 
 __all__ = ["SUMMARY_ROWS", "render_compare_prox_table"]
 
@@ -121,10 +121,4 @@ def render_compare_prox_table(
         for m in methods:
             if m in recommendations:
                 console.print(Text(f"  {recommendations[m]}"))
-    if omitted:
-        table = Table(title="Not computed", title_justify="left", style="dim")
-        table.add_column("metric", style="dim")
-        table.add_column("why", style="dim")
-        for key, reason in omitted.items():
-            table.add_row(key, reason)
-        console.print(table)
+    render_omitted(console, omitted)
