@@ -38,6 +38,7 @@ __all__ = [
     "AnalysisResult",
     "AnalyzeConfig",
     "MetricGroup",
+    "StreamOptions",
     "accumulate_states",
     "analyze",
     "default_groups",
@@ -117,6 +118,18 @@ class AnalyzeConfig(PPOOptions):
         out["quantile_rel_error"] = QUANTILE_REL_ERROR
         out["staleness_max_lag"] = MAX_LAG
         return out
+
+
+class StreamOptions(Protocol):
+    """What the streaming pass itself reads from a command's config (``AnalyzeConfig``, ``CompareProxConfig``):
+    where and in what batches to compute, the validation policy, and the optional ``--group-by`` split."""
+
+    device: str
+    batch_tokens: int
+    on_invalid: str
+    current_version: int | None
+    group_by: str | None
+    max_groups: int
 
 
 class MetricGroup(Protocol):
@@ -266,7 +279,7 @@ def _update_all(
 
 def accumulate_states(
     dataset: RolloutDataset,
-    config: AnalyzeConfig,
+    config: StreamOptions,
     groups: Sequence[MetricGroup],
     *,
     shards: Sequence[Shard] | None = None,
@@ -284,7 +297,7 @@ def accumulate_states(
         wanted.add(config.group_by)
     # Validation sits between the reader and every group (io/validate.py): it sees the raw loss-mask values, and
     # under --on-invalid skip it drops sequences before any figure (or group_by key) sees them.
-    validator = BatchValidator.for_dataset(dataset, config.on_invalid, getattr(config, "current_version", None))
+    validator = BatchValidator.for_dataset(dataset, config.on_invalid, config.current_version)
     skip_counts = next((s for g, s in zip(groups, acc.overall) if isinstance(g, ValidationGroup)), None)
     batches = dataset.iter_batches(columns=wanted, batch_tokens=config.batch_tokens, shards=shards, raw_mask=True)
     # Decoding runs ahead in a thread (into pinned memory for CUDA) while the groups compute (grpo_cli.streaming).

@@ -89,7 +89,7 @@ class CompareProxConfig(PPOOptions):
     on_invalid: str = "error"
     batch_tokens: int = DEFAULT_BATCH_TOKENS
     device: str = "cpu"
-    # What grpo_cli.analysis.accumulate_states reads besides the above: compare-prox has no --group-by.
+    # The rest of grpo_cli.analysis.StreamOptions, which the streaming pass reads: compare-prox has no --group-by.
     group_by: ClassVar[str | None] = None
     max_groups: ClassVar[int] = 0
 

@@ -50,7 +50,7 @@ from grpo_cli.core.state import MetricState, Reduce, select_top_rows
 from grpo_cli.errors import GrpoCliError, UsageError
 
 if TYPE_CHECKING:
-    from grpo_cli.analysis import Accumulator, AnalyzeConfig, MetricGroup
+    from grpo_cli.analysis import Accumulator, MetricGroup, StreamOptions
     from grpo_cli.io.reader import RolloutDataset, Shard
 
 __all__ = [
@@ -188,7 +188,7 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _device_for(config: AnalyzeConfig) -> torch.device:
+def _device_for(config: StreamOptions) -> torch.device:
     device = torch.device(config.device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
@@ -345,7 +345,7 @@ def _context(device: torch.device) -> mp.context.BaseContext:
 
 def _fold_in_pool(
     dataset: RolloutDataset,
-    config: AnalyzeConfig,
+    config: StreamOptions,
     groups: Sequence[MetricGroup],
     units: Sequence[tuple[Shard, ...]],
     workers: int,
@@ -394,7 +394,7 @@ def _fold_in_pool(
 
 def _fold(
     dataset: RolloutDataset,
-    config: AnalyzeConfig,
+    config: StreamOptions,
     groups: Sequence[MetricGroup],
     units: Sequence[tuple[Shard, ...]],
     workers: int,
@@ -417,7 +417,7 @@ def _fold(
 
 def accumulate(
     dataset: RolloutDataset,
-    config: AnalyzeConfig,
+    config: StreamOptions,
     groups: Sequence[MetricGroup],
     *,
     workers: int = 1,
