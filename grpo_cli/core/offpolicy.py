@@ -31,7 +31,7 @@ from torch import Tensor
 from grpo_cli.core.histogram import distribution_compute, distribution_specs, distribution_update
 from grpo_cli.core.kl import kl_estimate
 from grpo_cli.core.packing import lengths_from_cu_seqlens, segment_sum
-from grpo_cli.core.policy_stats import _rescale
+from grpo_cli.core.policy_stats import rescale_to_unit_temperature
 from grpo_cli.core.rejection import RejectionSamplingConfig, apply_rejection_sampling
 from grpo_cli.core.state import MetricState, count, maximum, minimum, total
 
@@ -65,7 +65,7 @@ def working_logp(logp: Tensor, temperature: float) -> Tensor:
     """Log-probs in the working dtype (16-bit floats via float32), rescaled to T = 1 like ``policy_stats``."""
     if logp.dtype in (torch.float16, torch.bfloat16):
         logp = logp.to(torch.float32)
-    return _rescale(logp, temperature)
+    return rescale_to_unit_temperature(logp, temperature)
 
 
 def _f64sum(x: Tensor) -> Tensor:

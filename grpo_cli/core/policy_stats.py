@@ -31,6 +31,7 @@ __all__ = [
     "policy_stats_compute",
     "policy_stats_state",
     "policy_stats_update",
+    "rescale_to_unit_temperature",
 ]
 
 TOP_KL_FIELDS = ("kl", "file", "row", "position", "ratio", "new_logp", "old_logp")
@@ -66,8 +67,12 @@ def policy_stats_state(top_k: int = 0, device: torch.device | str | None = None)
     return MetricState(specs, device)
 
 
-def _rescale(logp: Tensor, temperature: float) -> Tensor:
-    # The seed rescales log-probs to T = 1 by multiplying with T (twinkle: "ℓ_f = ℓ·T when T > 0 and T ≠ 1").
+def rescale_to_unit_temperature(logp: Tensor, temperature: float) -> Tensor:
+    """Log-probs sampled at temperature T rescaled to T = 1 as the seed does: ``ℓ·T`` when T > 0 and T ≠ 1.
+
+    (twinkle's ``GRPOMetric``; an approximation, since T·log softmax(z/T) ≠ log softmax(z).) Every figure that
+    honours ``--temperature`` goes through this one function.
+    """
     if temperature > 0 and temperature != 1.0:
         return logp * temperature
     return logp
@@ -110,7 +115,7 @@ def policy_stats_update(
         positions: ``[N]`` token positions within their rows, for ``top_kl`` locations.
     """
     eps_high = epsilon if epsilon_high is None else epsilon_high
-    new = _rescale(new_logp, temperature)
+    new = rescale_to_unit_temperature(new_logp, temperature)
     n_valid = new.numel()
     state.update(n_valid=torch.tensor(n_valid), sum_new=_fsum(new))
     if entropy is not None:
@@ -119,7 +124,7 @@ def policy_stats_update(
         return
 
     if old_logp is not None:
-        old = _rescale(old_logp, temperature)
+        old = rescale_to_unit_temperature(old_logp, temperature)
         diff = new - old
         k3 = torch.expm1(diff) - diff  # exp(d) − 1 − d, with expm1 for accuracy near d = 0
         state.update(
@@ -135,7 +140,7 @@ def policy_stats_update(
     base = old_logp if ratio_base_logp is None else ratio_base_logp
     if base is None:
         return
-    log_ratio = new - _rescale(base, temperature)
+    log_ratio = new - rescale_to_unit_temperature(base, temperature)
     ratio = torch.exp(log_ratio)
     state.update(n_ratio=torch.tensor(n_valid), max_ratio=ratio.max())
     # Compare in the log-probs' dtype against bounds rounded to that dtype (spec-decisions: clip boundaries).
