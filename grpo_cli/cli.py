@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from grpo_cli import __version__
+from grpo_cli._allocator import keep_freed_memory
 from grpo_cli.errors import EXIT_ERROR, GrpoCliError, UsageError
 
 if TYPE_CHECKING:
@@ -98,8 +99,9 @@ MapOpt = Annotated[
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
 WorkersOpt = Annotated[
     int | None,
-    typer.Option("--workers", help="Processes reading (file, row-group) units in parallel (default: the available "
-                 "cores; 1 per torchrun rank or with --device cuda). No figure depends on it (docs/performance.md)."),
+    typer.Option("--workers", help="CPU cores to use: processes read (file, row-group) units in parallel and the "
+                 "cores left to each compute its metrics in threads (default: the available cores; 1 per torchrun "
+                 "rank or with --device cuda). No figure depends on it (docs/performance.md)."),
 ]
 
 
@@ -959,6 +961,7 @@ def _secondary_rank() -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the app and map every failure to one line on stderr and an exit code."""
     args = sys.argv[1:] if argv is None else list(argv)
+    keep_freed_memory()
     if _secondary_rank() and "--debug" not in args:
         import os
 

@@ -54,17 +54,23 @@ if TYPE_CHECKING:
     from grpo_cli.io.reader import RolloutDataset, Shard
 
 __all__ = [
+    "MAX_COMPUTE_THREADS",
     "UNIT_BATCHES",
     "DistributedEnv",
     "accumulate",
     "all_reduce_accumulator",
     "available_cores",
+    "compute_threads",
     "distributed_env",
     "is_secondary_rank",
     "one_torch_thread",
     "plan_units",
     "split_by_bytes",
 ]
+
+MAX_COMPUTE_THREADS = 4
+"""Metric threads per process at most: the groups of a batch are the tasks, and the largest is about a fifth of
+the work, so more threads would mostly wait at the end of each batch."""
 
 UNIT_BATCHES = 4
 """A unit holds at least this many ``--batch-tokens`` budgets of tokens (fewer, larger units merge less; more,
@@ -302,6 +308,14 @@ def _init_worker(job: dict[str, Any], arrow_threads: int, counter: Any) -> None:
         pass
 
 
+def compute_threads(workers: int, processes: int, device: torch.device) -> int:
+    """Metric threads per process: the ``workers`` cores left over by ``processes`` processes, at most
+    :data:`MAX_COMPUTE_THREADS`; one on a GPU (it computes faster than one thread can feed it batches)."""
+    if device.type != "cpu":
+        return 1
+    return max(1, min(workers // processes, MAX_COMPUTE_THREADS))
+
+
 def _run_unit(index: int) -> bytes:
     from grpo_cli.analysis import accumulate_states
 
@@ -312,7 +326,8 @@ def _run_unit(index: int) -> bytes:
             counter.value += n
 
     acc = accumulate_states(
-        _JOB["dataset"], _JOB["config"], _JOB["groups"], shards=_JOB["units"][index], progress=advance
+        _JOB["dataset"], _JOB["config"], _JOB["groups"], shards=_JOB["units"][index], progress=advance,
+        threads=_JOB["threads"],
     )
     # Plain pickling, not torch's shared-memory reductions: many tiny state tensors would each cost a file descriptor.
     return pickle.dumps(_to_cpu(acc))
@@ -349,13 +364,15 @@ def _fold_in_pool(
     groups: Sequence[MetricGroup],
     units: Sequence[tuple[Shard, ...]],
     workers: int,
+    threads: int,
     device: torch.device,
     progress: Callable[[int], None] | None,
 ) -> Accumulator:
     ctx = _context(device)
     counter = ctx.Value("q", 0)
     arrow_threads = max(1, available_cores() // workers)
-    job = {"dataset": dataset, "config": config, "groups": list(groups), "units": list(units)}
+    job = {"dataset": dataset, "config": config, "groups": list(groups), "units": list(units),
+           "threads": threads}
     acc: Accumulator | None = None
     reported = 0
 
@@ -403,13 +420,17 @@ def _fold(
 ) -> Accumulator:
     from grpo_cli.analysis import accumulate_states
 
+    # --workers counts cores: processes take whole units, and the cores a process is left with compute its groups
+    # in threads (a single-row-group dump still uses every core for the metrics).
+    processes = min(workers, len(units)) if workers > 1 else 1
+    threads = compute_threads(workers, processes, device)
+    if processes > 1:
+        return _fold_in_pool(dataset, config, groups, units, processes, threads, device, progress)
     if not units:
-        return accumulate_states(dataset, config, groups, shards=[], progress=progress)
-    if workers > 1 and len(units) > 1:
-        return _fold_in_pool(dataset, config, groups, units, min(workers, len(units)), device, progress)
+        return accumulate_states(dataset, config, groups, shards=[], progress=progress, threads=threads)
     acc: Accumulator | None = None
     for unit in units:
-        part = accumulate_states(dataset, config, groups, shards=unit, progress=progress)
+        part = accumulate_states(dataset, config, groups, shards=unit, progress=progress, threads=threads)
         acc = part if acc is None else acc.merge_(part)
     assert acc is not None
     return acc

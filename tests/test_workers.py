@@ -15,11 +15,19 @@ import pyarrow.parquet as pq
 import pytest
 from reference import random_sequences, write_sequences
 
-from grpo_cli.analysis import AnalyzeConfig, CountsGroup, analyze
+from grpo_cli.analysis import AnalyzeConfig, CountsGroup, accumulate_states, analyze, default_groups, finalize
 from grpo_cli.cli import main
 from grpo_cli.errors import GrpoCliError, InputError
 from grpo_cli.io.reader import RolloutDataset, Shard
-from grpo_cli.parallel import UNIT_BATCHES, accumulate, available_cores, plan_units, split_by_bytes
+from grpo_cli.parallel import (
+    MAX_COMPUTE_THREADS,
+    UNIT_BATCHES,
+    accumulate,
+    available_cores,
+    compute_threads,
+    plan_units,
+    split_by_bytes,
+)
 
 BATCH = 40  # tokens per batch → units of UNIT_BATCHES * 40 tokens: several per dump
 
@@ -131,6 +139,64 @@ def test_input_error_keeps_its_location_through_pickle():
     back = pickle.loads(pickle.dumps(error))
     assert type(back) is InputError and str(back) == str(error)
     assert (back.file, back.column, back.row, back.token, back.reason) == ("a.parquet", "new_logp", 7, 2, "bad value")
+
+
+@pytest.mark.parametrize("extra", [{}, {"group_by": "step"}, {"on_invalid": "skip"}])
+def test_metric_threads_give_the_same_bytes(dump, extra):
+    # One stream of ~25 batches: the groups run in threads with two batches in flight, and must see every batch in
+    # order, so the figures are the same bits as one thread's.
+    dataset = RolloutDataset([dump])
+    config = AnalyzeConfig(batch_tokens=BATCH, **extra)
+
+    def figures(threads: int) -> str:
+        groups = default_groups()
+        acc = accumulate_states(dataset, config, groups, threads=threads)
+        result = finalize(dataset, config, groups, acc)
+        return json.dumps([result.metrics, result.groups], sort_keys=True, default=str)
+
+    one = figures(1)
+    assert figures(3) == one
+    assert figures(2) == one
+
+
+def test_workers_count_cores_split_into_processes_and_threads(capsys, tmp_path):
+    import torch
+
+    assert compute_threads(4, 1, torch.device("cpu")) == 4
+    assert compute_threads(4, 2, torch.device("cpu")) == 2
+    assert compute_threads(3, 2, torch.device("cpu")) == 1
+    assert compute_threads(64, 1, torch.device("cpu")) == MAX_COMPUTE_THREADS
+    assert compute_threads(8, 1, torch.device("meta")) == 1  # not a CPU: one thread drives the device
+    # A dump of two units with --workers 4: two processes of two metric threads each.
+    path = tmp_path / "two_units.parquet"
+    write_sequences(str(path), random_sequences(40, seed=8, max_len=24), row_group_size=20)
+    base = ["analyze", path, "-f", "json", "--batch-tokens", 50]
+    assert len(plan_units(RolloutDataset([path]).shards(), UNIT_BATCHES * 50)) == 2
+    code, one, err = run(capsys, *base, "--workers", 1)
+    assert code == 0, err
+    code, four, err = run(capsys, *base, "--workers", 4)
+    assert code == 0, err
+    assert four == one
+
+
+class _FailsOnBatch(CountsGroup):
+    """A metric group that raises on a given batch (a bug in a group, as seen from the runner)."""
+
+    def __init__(self, name: str, on_batch: int) -> None:
+        self.name, self.on_batch, self.seen = name, on_batch, 0
+
+    def update(self, state, batch, valid, config):  # type: ignore[no-untyped-def]
+        self.seen += 1
+        if self.seen == self.on_batch:
+            raise RuntimeError(f"{self.name} failed on batch {self.seen}")
+        super().update(state, batch, valid, config)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_failing_group_raises_the_first_failure_in_order(dump, threads):
+    groups = [CountsGroup(), _FailsOnBatch("late", 5), _FailsOnBatch("early", 3)]
+    with pytest.raises(RuntimeError, match="early failed on batch 3"):
+        accumulate_states(RolloutDataset([dump]), AnalyzeConfig(batch_tokens=BATCH), groups, threads=threads)
 
 
 def test_bad_workers_is_a_usage_error(capsys, dump):
