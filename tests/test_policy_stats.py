@@ -102,6 +102,35 @@ def test_top_kl_is_deterministic_and_ordered():
     assert top[0]["ratio"] == pytest.approx(math.exp(2.0), rel=1e-6)
 
 
+def test_top_kl_over_many_batches_keeps_the_ties_that_rank_first():
+    # 60 one-token-per-position sequences whose k3 takes only 4 distinct values, streamed in 12 batches: once the
+    # table is full, batches are pruned at its k-th value, and ties must still be settled by (file, row, position).
+    gen = torch.Generator().manual_seed(3)
+    d = torch.tensor([0.5, 1.0, 1.5, 2.0])[torch.randint(0, 4, (60,), generator=gen)]
+    new = torch.full((60,), -0.5)
+    old = new - d
+    rows = torch.randperm(60, generator=gen)
+    k = 7
+    one = policy_stats_state(top_k=k)
+    many = policy_stats_state(top_k=k)
+    policy_stats_update(one, new_logp=new, cu_seqlens=torch.arange(61), old_logp=old,
+                        sequence_keys=torch.stack([torch.zeros(60, dtype=torch.long), rows], 1),
+                        positions=torch.zeros(60, dtype=torch.long))
+    for start in range(0, 60, 5):
+        sl = slice(start, start + 5)
+        policy_stats_update(many, new_logp=new[sl], cu_seqlens=torch.arange(6), old_logp=old[sl],
+                            sequence_keys=torch.stack([torch.zeros(5, dtype=torch.long), rows[sl]], 1),
+                            positions=torch.zeros(5, dtype=torch.long))
+    # Independent reference: k3 = e^d − 1 − d in float64, ranked by value, then by row.
+    k3 = [math.exp(float(x)) - 1 - float(x) for x in d]
+    expected = sorted(range(60), key=lambda i: (-round(k3[i], 5), int(rows[i])))[:k]
+    for state in (one, many):
+        top = policy_stats_compute(state)["top_kl"]
+        assert [r["row"] for r in top] == [int(rows[i]) for i in expected]
+        assert [r["kl"] for r in top] == pytest.approx([k3[i] for i in expected], rel=1e-6)
+    assert torch.equal(one["top_kl"], many["top_kl"])
+
+
 def test_empty_state_reports_only_counts():
     out = policy_stats_compute(policy_stats_state())
     assert out == {"n_valid_tokens": 0}

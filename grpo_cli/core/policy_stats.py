@@ -181,8 +181,14 @@ def _update_top_kl(
     n = k3.numel()
     # Keep every token tied with the k-th value: which of several tied tokens wins must not depend on batching,
     # so the final choice among ties is made by select_top_rows' (file, row, position) order.
-    kth = torch.topk(k3, min(k, n)).values[-1]
-    cand = torch.nonzero(k3 >= kth).flatten()
+    # Once the table holds k rows, a token below its k-th value can never enter it, so only tokens at or above
+    # that floor need ranking: usually a handful, which spares a top-k over the whole batch.
+    floor = float(state["top_kl"][-1, 0])  # -inf until the table is full; exactly a float32 value after
+    cand = None if floor == -math.inf else torch.nonzero(k3 >= floor).flatten()
+    if cand is None or cand.numel() > k:
+        values = k3 if cand is None else k3[cand]
+        kth = torch.topk(values, min(k, values.numel())).values[-1]
+        cand = torch.nonzero(k3 >= kth).flatten()
     seq = segment_ids(cu_seqlens, n)[cand]
     if sequence_keys is None:
         keys = torch.stack([torch.zeros_like(seq), seq], dim=1)
