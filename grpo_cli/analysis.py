@@ -280,7 +280,7 @@ class _GroupRunner:
     """Runs every group's ``update`` on each batch: in the caller's thread, or spread over ``threads`` threads.
 
     Each group owns its state, so a batch's groups are independent tasks. With threads, the caller hands a batch
-    over and moves on to decoding and validating the next one while the threads compute; at most
+    over and moves on to validating the next one (decoded meanwhile by the prefetch thread) while they compute; at most
     :data:`BATCHES_IN_FLIGHT` batches are handed over at a time (memory stays bounded). A task first waits for the
     same state's task on the previous batch, so every state still sees the batches in order, and no figure depends
     on ``threads`` (torch computes each op on the calling thread, with one intra-op thread per process). torch
@@ -288,7 +288,8 @@ class _GroupRunner:
     of the time each group has taken so far: longest first balances the threads without a hand-kept cost table.
     """
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, n_groups: int) -> None:
+        threads = min(threads, n_groups)  # more would idle (compare-prox has a single group)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="grpo-cli-metrics") if threads > 1 else None
         self.seconds: dict[int, float] = {}
         self.in_flight: deque[list[Future[None]]] = deque()
@@ -367,7 +368,7 @@ def accumulate_states(
     skip_counts = next((s for g, s in zip(groups, acc.overall) if isinstance(g, ValidationGroup)), None)
     batches = dataset.iter_batches(columns=wanted, batch_tokens=config.batch_tokens, shards=shards, raw_mask=True)
     # Decoding runs ahead in a thread (into pinned memory for CUDA) while the groups compute (grpo_cli.streaming).
-    with _GroupRunner(threads) as runner:
+    with _GroupRunner(threads, len(groups)) as runner:
         for batch in streamed(batches, device):
             _update_batch(acc, groups, batch, config, device, validator, skip_counts, runner)
             if progress is not None:
