@@ -275,6 +275,10 @@ class Accumulator:
 BATCHES_IN_FLIGHT = 2
 """Batches whose metric updates may be queued at once with ``threads`` > 1 (each holds its tensors until done)."""
 
+MIN_THREAD_SPEEDUP = 1.5
+"""Metric threads are kept only if the groups' times on the first batch allow at least this speed-up (their sum
+over the longest one)."""
+
 
 class _GroupRunner:
     """Runs every group's ``update`` on each batch: in the caller's thread, or spread over ``threads`` threads.
@@ -284,12 +288,14 @@ class _GroupRunner:
     :data:`BATCHES_IN_FLIGHT` batches are handed over at a time (memory stays bounded). A task first waits for the
     same state's task on the previous batch, so every state still sees the batches in order, and no figure depends
     on ``threads`` (torch computes each op on the calling thread, with one intra-op thread per process). torch
-    releases the GIL inside its kernels, so the threads run in parallel. A batch's tasks start in decreasing order
-    of the time each group has taken so far: longest first balances the threads without a hand-kept cost table.
+    releases the GIL inside its kernels, so the threads run in parallel. The first batch runs in the caller, timed
+    per group; after it, a batch's tasks start in decreasing order of the time each group has taken so far (longest
+    first balances the threads without a hand-kept cost table), or, if one group dominates
+    (:data:`MIN_THREAD_SPEEDUP`), every batch runs in the caller.
     """
 
     def __init__(self, threads: int, n_groups: int) -> None:
-        threads = min(threads, n_groups)  # more would idle (compare-prox has a single group)
+        threads = min(threads, n_groups)  # more would idle
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="grpo-cli-metrics") if threads > 1 else None
         self.seconds: dict[int, float] = {}
         self.in_flight: deque[list[Future[None]]] = deque()
@@ -310,6 +316,17 @@ class _GroupRunner:
         if self.pool is None:
             for group, state in zip(groups, states):
                 group.update(state, batch, valid, config)  # type: ignore[arg-type]
+            return
+        if not self.seconds:
+            # The first batch runs here, timed group by group: the threads stay only if the work can be spread
+            # (compare-prox's is one group's: threads would only contend with it).
+            for i, (group, state) in enumerate(zip(groups, states)):
+                start = time.perf_counter()
+                group.update(state, batch, valid, config)  # type: ignore[arg-type]
+                self.seconds[i] = time.perf_counter() - start
+            if sum(self.seconds.values()) < MIN_THREAD_SPEEDUP * max(self.seconds.values(), default=0.0):
+                self.pool.shutdown()
+                self.pool = None
             return
         while len(self.in_flight) >= BATCHES_IN_FLIGHT:
             self._finish_oldest()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -177,6 +178,33 @@ def test_workers_count_cores_split_into_processes_and_threads(capsys, tmp_path):
     code, four, err = run(capsys, *base, "--workers", 4)
     assert code == 0, err
     assert four == one
+
+
+class _Sleeps(CountsGroup):
+    """A metric group whose update takes ``seconds`` (sleeping releases the GIL, as torch's kernels do)."""
+
+    def __init__(self, name: str, seconds: float) -> None:
+        self.name, self.seconds = name, seconds
+
+    def update(self, state, batch, valid, config):  # type: ignore[no-untyped-def]
+        time.sleep(self.seconds)
+        super().update(state, batch, valid, config)
+
+
+@pytest.mark.parametrize(("costs", "threaded"), [((0.02, 0.02, 0.02), True), ((0.04, 0.001, 0.001), False)])
+def test_metric_threads_are_kept_only_when_the_work_can_be_spread(dump, costs, threaded):
+    from grpo_cli.analysis import _GroupRunner
+
+    groups = [_Sleeps(f"g{i}", c) for i, c in enumerate(costs)]
+    config = AnalyzeConfig(batch_tokens=BATCH)
+    states = [g.init_state(config, "cpu") for g in groups]
+    batches = list(RolloutDataset([dump]).iter_batches(batch_tokens=BATCH))[:3]
+    with _GroupRunner(3, len(groups)) as runner:
+        for batch in batches:
+            runner.update(groups, states, batch, config)
+        assert (runner.pool is not None) is threaded
+        runner.finish()
+    assert [int(s["n_sequences"]) for s in states] == [sum(b.n_sequences for b in batches)] * 3
 
 
 class _FailsOnBatch(CountsGroup):
