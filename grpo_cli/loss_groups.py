@@ -32,13 +32,13 @@ _NEEDS = "needs 'advantages' and a ratio base ('prox_logp' or 'old_logp')"
 def valid_ppo_terms(valid: TokenBatch, config: AnalyzeConfig) -> tuple[Tensor, Tensor, dict[str, Any]]:
     """AReaL's PPO actor-loss terms (:func:`~grpo_cli.core.ppo.ppo_actor_loss_terms`) of a batch of valid tokens,
     with the ratio based on ``prox_logp`` when present (else ``old_logp``); computed once per batch
-    (:meth:`~grpo_cli.core.batch.TokenBatch.memo`) for every group that needs them (``loss/ppo``, ``clip/dual``,
+    (:meth:`~grpo_cli.core.batch.TokenBatch.memoised`) for every group that needs them (``loss/ppo``, ``clip/dual``,
     the ``actor_stats`` clipped-token means). The batch must have ``advantages`` and a ratio base."""
-    memo = valid.memo()
-    if "ppo_terms" not in memo:
+
+    def compute() -> tuple[Tensor, Tensor, dict[str, Any]]:
         base = valid.prox_logp if valid.prox_logp is not None else valid.old_logp
         assert base is not None and valid.advantages is not None
-        memo["ppo_terms"] = ppo_actor_loss_terms(
+        return ppo_actor_loss_terms(
             valid.new_logp,
             base,
             valid.old_logp if valid.old_logp is not None else base,
@@ -51,7 +51,8 @@ def valid_ppo_terms(valid: TokenBatch, config: AnalyzeConfig) -> tuple[Tensor, T
             importance_sampling_level=config.importance_level,
             cu_seqlens=valid.cu_seqlens,
         )
-    return memo["ppo_terms"]
+
+    return valid.memoised("ppo_terms", compute)
 
 
 class LossGroup:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -172,6 +173,31 @@ def test_valid_view_is_built_once_and_shared_by_the_validator():
         assert torch.equal(getattr(view, name), getattr(fresh, name)), name
     assert view.positions.tolist() == [1, 2, 0, 1, 3, 4]
     assert replace(clean).memo() == {}  # a copy starts with an empty memo
+
+
+def test_memoised_computes_once_across_threads():
+    # Metric threads ask for the same per-batch intermediate at once: one computes, the others wait for it.
+    batch = batch_with_masks()
+    calls: list[int] = []
+    started = threading.Barrier(4)
+
+    def compute() -> list[int]:
+        calls.append(1)
+        time.sleep(0.05)  # long enough for every other thread to arrive meanwhile
+        return calls
+
+    def ask(out: list) -> None:
+        started.wait()
+        out.append(batch.memoised("terms", compute))
+
+    results: list = []
+    threads = [threading.Thread(target=ask, args=(results,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(results) == 4 and all(r is calls for r in results)
+    assert replace(batch).memoised("terms", lambda: "fresh") == "fresh"  # a copy has its own memo
 
 
 def test_validator_fast_path_still_finds_every_problem():

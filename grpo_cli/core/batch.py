@@ -8,6 +8,8 @@ means masked positions can hold any garbage (even NaN) without reaching a figure
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -17,6 +19,24 @@ from torch import Tensor
 from grpo_cli.core.packing import cu_seqlens_from_lengths, segment_ids
 
 __all__ = ["PER_SEQUENCE_COLUMNS", "PER_TOKEN_COLUMNS", "TokenBatch"]
+
+_MEMO_LOCK = threading.Lock()
+
+
+class _Once:
+    """A value computed by the first caller of :meth:`get`; concurrent callers wait for it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.done = False
+        self.value: Any = None
+
+    def get(self, compute: Callable[[], Any]) -> Any:
+        with self.lock:
+            if not self.done:
+                self.value = compute()
+                self.done = True
+        return self.value
 
 PER_TOKEN_COLUMNS = (
     "new_logp", "old_logp", "prox_logp", "ref_logp", "entropy", "versions", "advantages", "teacher_logp"
@@ -86,8 +106,19 @@ class TokenBatch:
         """
         memo = self.__dict__.get("_memo")
         if memo is None:
-            memo = self.__dict__["_memo"] = {}
+            with _MEMO_LOCK:  # metric threads may ask at once: one dict per batch
+                memo = self.__dict__.setdefault("_memo", {})
         return memo
+
+    def memoised(self, key: str, compute: Callable[[], Any]) -> Any:
+        """``compute()`` stored under ``key`` in :meth:`memo` by its first caller; callers in other threads (the
+        metric threads of ``analyze``) wait for that one instead of computing it again."""
+        memo = self.memo()
+        with _MEMO_LOCK:
+            once = memo.get(key)
+            if once is None:
+                once = memo[key] = _Once()
+        return once.get(compute)
 
     def columns(self) -> frozenset[str]:
         """Names of the data columns present (not ``None``)."""
