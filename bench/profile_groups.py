@@ -25,13 +25,11 @@ def main() -> None:
     parser.add_argument("--ops", action="store_true")
     args = parser.parse_args()
 
-    from grpo_cli._allocator import keep_freed_memory
     from grpo_cli.analysis import AnalyzeConfig, default_groups
     from grpo_cli.io.reader import DEFAULT_BATCH_TOKENS, RolloutDataset
     from grpo_cli.io.validate import BatchValidator
 
     torch.set_num_threads(1)
-    keep_freed_memory()  # as the CLI does
     batch_tokens = args.batch_tokens or DEFAULT_BATCH_TOKENS
     dataset = RolloutDataset([args.dump])
     config = AnalyzeConfig(batch_tokens=batch_tokens)

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from grpo_cli import __version__
-from grpo_cli._allocator import keep_freed_memory
 from grpo_cli.errors import EXIT_ERROR, GrpoCliError, UsageError
 
 if TYPE_CHECKING:
@@ -961,7 +960,6 @@ def _secondary_rank() -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the app and map every failure to one line on stderr and an exit code."""
     args = sys.argv[1:] if argv is None else list(argv)
-    keep_freed_memory()
     if _secondary_rank() and "--debug" not in args:
         import os
 
