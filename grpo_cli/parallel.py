@@ -422,7 +422,7 @@ def _fold(
 
     # --workers counts cores: processes take whole units, and the cores a process is left with compute its groups
     # in threads (a single-row-group dump still uses every core for the metrics).
-    processes = min(workers, len(units)) if workers > 1 else 1
+    processes = max(1, min(workers, len(units)))
     threads = compute_threads(workers, processes, device)
     if processes > 1:
         return _fold_in_pool(dataset, config, groups, units, processes, threads, device, progress)
