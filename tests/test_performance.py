@@ -119,7 +119,14 @@ def test_histogram_bins_match_the_layout_on_every_kind_of_value(device):
     g = torch.Generator().manual_seed(2)
     random_bits = torch.randint(-(2**31), 2**31 - 1, (20000,), generator=g, dtype=torch.int32).view(torch.float32)
     values = torch.cat([torch.tensor(special), torch.exp(torch.randn(20000, generator=g) * 40), random_bits])
-    for v in (values, values.to(torch.float64), values[:9000].reshape(30, 300)):
+    positive = torch.exp(torch.randn(5000, generator=g) * 40)
+    with_zeros = torch.cat([positive, torch.tensor([0.0, -0.0, 0.0])])  # ±0.0 but nothing below: the zero mask only
+    only_negative_zero = torch.cat([positive, torch.tensor([-0.0])])
+    with_nan = torch.cat([positive, torch.tensor([math.nan])])
+    tiny_float64 = torch.tensor([1e-50, 2.0, 1e-300], dtype=torch.float64)  # positive, but 0 once in float32
+    cases = (values, values.to(torch.float64), values[:9000].reshape(30, 300), positive, with_zeros,
+             only_negative_zero, with_nan, tiny_float64, torch.empty(0))
+    for v in cases:
         v = v.to(device)
         assert torch.equal(H.histogram_bins(v), where_bins(v))
         assert H.histogram_bins(v).dtype == torch.int64
