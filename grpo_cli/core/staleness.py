@@ -121,9 +121,8 @@ def staleness_update(
     current = broadcast_current_version(current_version, versions, cu_seqlens=cu_seqlens)
     # The generated tokens' positions, found once and gathered from every column (boolean indexing would search
     # the mask again per column).
-    is_generated = versions >= 0
-    everything = bool(is_generated.all())  # the usual case: valid tokens are generated ones
-    generated = None if everything else torch.nonzero(is_generated).flatten()
+    everything = bool(versions.min() >= 0) if versions.numel() else True  # usual: valid tokens are generated ones
+    generated = None if everything else torch.nonzero(versions >= 0).flatten()
     n = versions.numel() if generated is None else generated.numel()
     if n == 0:
         return
@@ -132,9 +131,12 @@ def staleness_update(
         return values if generated is None else values.index_select(0, generated)
 
     lag = pick(current.to(torch.int64)) - pick(versions.to(torch.int64))
-    bins = torch.where(lag < 0, _NEGATIVE, lag.clamp(max=_OVERFLOW))
+    min_lag = lag.min()
+    bins = lag.clamp(max=_OVERFLOW)
+    if min_lag < 0:  # a version newer than the trainer's: a broken dump, so the negative bin is rarely needed
+        bins = torch.where(lag < 0, _NEGATIVE, bins)
     hist = torch.bincount(bins, minlength=N_LAG_BINS)
-    state.update(n=torch.tensor(n), sum_lag=lag.sum(), min_lag=lag.min(), max_lag=lag.max(), hist=hist)
+    state.update(n=torch.tensor(n), sum_lag=lag.sum(), min_lag=min_lag, max_lag=lag.max(), hist=hist)
     new = pick(working_logp(new_logp, temperature))
     if old_logp is not None:
         old = pick(working_logp(old_logp, temperature))
