@@ -135,6 +135,22 @@ def test_a_workers_validation_error_is_the_same_line(capsys, tmp_path):
     assert "row 27" in err1 and "new_logp" in err1 and err1.count("\n") == 1
 
 
+def test_a_validation_error_while_metric_threads_run_is_the_same_line(capsys, tmp_path):
+    # One row group: --workers 3 runs one process whose metric threads are busy with earlier batches when the
+    # validator meets the offender; the error line and exit code must be those of one thread.
+    seqs = random_sequences(60, seed=6, max_len=20)
+    seq = seqs[41]
+    seq.new[seq.valid()[0]] = 0.5
+    path = tmp_path / "bad.parquet"
+    write_sequences(str(path), seqs)
+    base = ["analyze", path, "-f", "json", "--batch-tokens", 30]
+    code1, out1, err1 = run(capsys, *base, "--workers", 1)
+    code3, out3, err3 = run(capsys, *base, "--workers", 3)
+    assert code1 == code3 == 2
+    assert out1 == out3 == ""
+    assert err3 == err1 and "row 41" in err1 and err1.count("\n") == 1
+
+
 def test_input_error_keeps_its_location_through_pickle():
     error = InputError("bad value", file="a.parquet", column="new_logp", row=7, token=2)
     back = pickle.loads(pickle.dumps(error))
