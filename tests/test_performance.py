@@ -101,6 +101,32 @@ def test_segment_ids_are_memoised_and_never_stale():
     assert segment_ids(equal_values, 5).tolist() == [0, 1, 2, 2, 2]
 
 
+# -- torch.where skipped for all-true masks ---------------------------------------------------------------------------
+@pytest.mark.parametrize("all_true", [True, False])
+def test_fill_outside_equals_where_in_values_and_gradients(device, all_true):
+    from grpo_cli.core._loss_common import fill_outside
+
+    g = torch.Generator().manual_seed(4)
+    values = torch.randn(1000, generator=g).to(device).requires_grad_()
+    mask = torch.ones(1000, dtype=torch.bool, device=device)
+    if not all_true:
+        mask[::7] = False
+    garbage = torch.where(mask, values, torch.tensor(float("nan"), device=device))  # NaN off the mask
+    zero = torch.zeros((), device=device)
+    got = fill_outside(mask, garbage, zero)
+    want = torch.where(mask, garbage, zero)
+    assert torch.equal(got, want) and got.dtype == want.dtype
+    (grad_got,) = torch.autograd.grad((got * torch.arange(1000.0, device=device)).sum(), values, retain_graph=True)
+    (grad_want,) = torch.autograd.grad((want * torch.arange(1000.0, device=device)).sum(), values)
+    assert torch.equal(grad_got, grad_want)
+    # Broadcasting or a promoting fill take the plain where: the same result as torch.where in every case.
+    row = torch.ones(1, 1000, dtype=torch.bool, device=device)
+    assert torch.equal(fill_outside(row.expand(3, 1000), values.detach(), 0.0), values.detach().expand(3, 1000))
+    half = values.detach().to(torch.float16)
+    out = fill_outside(mask, half, torch.zeros((), dtype=torch.float64, device=device))
+    assert out.dtype == torch.where(mask, half, torch.zeros((), dtype=torch.float64, device=device)).dtype
+
+
 # -- histogram bins without torch.where -----------------------------------------------------------------------------
 def where_bins(values: torch.Tensor) -> torch.Tensor:
     """The layout's definition, one rule at a time (the formula before the in-place rewrite)."""

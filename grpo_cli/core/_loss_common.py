@@ -118,14 +118,14 @@ def seq_sum64(values: Tensor, mask_flat: Tensor, cu: Tensor) -> Tensor:
     out = torch.zeros(n_seq, dtype=torch.float64, device=values.device)
     if values.numel() == 0:
         return out
-    neutral = torch.where(mask_flat, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    neutral = fill_outside(mask_flat, values, torch.zeros((), dtype=values.dtype, device=values.device))
     return segment_sum(neutral, cu, torch.float64)
 
 
 def masked_sum64(values: Tensor, mask: Tensor) -> Tensor:
     """Float64 sum of ``values`` where ``mask`` (garbage elsewhere never leaks)."""
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
-    return torch.where(mask, values, zero).to(torch.float64).sum()
+    return fill_outside(mask, values, zero).to(torch.float64).sum()
 
 
 def safe_ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
@@ -142,3 +142,25 @@ def sigmoid(x: Tensor) -> Tensor:
     which made SAPO's value depend on how a dump was batched; ``exp`` and division agree on both paths.
     """
     return torch.reciprocal(1.0 + torch.exp(-x))
+
+
+def fill_outside(mask: Tensor, values: Tensor, fill: Tensor | float) -> Tensor:
+    """``torch.where(mask, values, fill)``: ``values`` where ``mask`` holds, ``fill`` elsewhere.
+
+    torch's CPU ``where`` is a scalar loop (about 1.3 ns per element, more than ten times an add), and the masks
+    that neutralise off-mask garbage are usually all true (``analyze`` and ``compare-prox`` pass compacted valid
+    tokens). So on a CPU one reduction decides (the minimum of the mask's bytes: a vectorised ``amin``, where
+    ``all()`` on bools is another scalar loop), and an all-true mask returns ``values`` itself: the same values and
+    gradients as the ``where``, so treat the result as read-only. On a GPU the reduction's host sync would cost
+    more than the kernel, which always runs there.
+    """
+    if (
+        values.device.type == "cpu"
+        and mask.dtype == torch.bool
+        and mask.shape == values.shape
+        and mask.numel() > 0
+        and torch.result_type(values, fill) == values.dtype
+        and bool(mask.view(torch.uint8).amin())
+    ):
+        return values
+    return torch.where(mask, values, fill)

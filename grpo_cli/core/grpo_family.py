@@ -18,6 +18,7 @@ from grpo_cli.core._loss_common import (
     check_real,
     check_same_shape,
     compute_dtype,
+    fill_outside,
     flat_layout,
     masked_sum64,
     seq_count,
@@ -94,12 +95,12 @@ def grpo_family_per_token_loss(
     zero = torch.zeros((), dtype=cd, device=logp.device)
 
     def _flat(x: Tensor) -> Tensor:
-        return torch.where(mflat, x.reshape(-1).to(cd), zero)
+        return fill_outside(mflat, x.reshape(-1).to(cd), zero)
 
     lp = _flat(logp)
     old = lp.detach() if old_logp is None else _flat(old_logp.detach())
     adv = _flat(advantages.detach())
-    log_w = torch.where(mflat, lp - old, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_w = fill_outside(mflat, lp - old, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if variant == "gspo":
         # GSPO (arXiv 2507.18071; twinkle GSPOLoss): geometric-mean sequence ratio, gradient to every token.
         assert cu is not None
@@ -113,7 +114,7 @@ def grpo_family_per_token_loss(
     if ec > 0:
         assert entropy is not None
         per_token = per_token - ec * _flat(entropy)
-    return torch.where(mflat, per_token, zero)
+    return fill_outside(mflat, per_token, zero)
 
 
 def _surrogate(

@@ -20,6 +20,7 @@ from grpo_cli.core._loss_common import (
     check_real,
     check_same_shape,
     compute_dtype,
+    fill_outside,
     flat_layout,
     masked_sum64,
     seq_count,
@@ -70,8 +71,8 @@ def sequence_ratio_and_advantages(
     n_s = seq_count(mflat, cu).clamp(min=1).to(torch.float64)
     rho = torch.exp(seq_sum64(lr, mflat, cu) / n_s).to(lr.dtype)[ids]
     a_bar = (seq_sum64(adv, mflat, cu) / n_s).to(adv.dtype)[ids]
-    ratio = torch.where(mflat, rho, torch.zeros_like(rho))
-    adv_out = torch.where(mflat, a_bar, torch.zeros_like(a_bar))
+    ratio = fill_outside(mflat, rho, torch.zeros_like(rho))
+    adv_out = fill_outside(mflat, a_bar, torch.zeros_like(a_bar))
     return ratio.reshape(log_ratio.shape), adv_out.reshape(advantages.shape)
 
 
@@ -141,12 +142,12 @@ def ppo_actor_loss_terms(
         m, w_b, filtered_fraction = apply_rejection_sampling(prox, old_logprobs, m, cu_seqlens, rejection_sampling)
 
     # Neutralise off-mask entries before exp so garbage there cannot give inf·0 = NaN gradients.
-    log_ratio = torch.where(m_stat, lp - prox, zero)
+    log_ratio = fill_outside(m_stat, lp - prox, zero)
     if importance_sampling_level == "sequence":
-        ratio, adv_used = sequence_ratio_and_advantages(log_ratio, torch.where(m, adv, zero), m, cu_seqlens)
+        ratio, adv_used = sequence_ratio_and_advantages(log_ratio, fill_outside(m, adv, zero), m, cu_seqlens)
     else:
-        ratio = torch.where(m_stat, torch.exp(log_ratio), zero)
-        adv_used = torch.where(m_stat, adv, zero)
+        ratio = fill_outside(m_stat, torch.exp(log_ratio), zero)
+        adv_used = fill_outside(m_stat, adv, zero)
 
     # AReaL §1.1: L = max(-A·r, -A·clip(r, 1-ε, 1+ε_hi)); clip mask = strict L1 < L2.
     clipped_ratio = torch.clamp(ratio, 1.0 - eps_lo, 1.0 + eps_hi)
@@ -276,8 +277,8 @@ def sapo_loss_terms(
     assert old is not None and adv is not None
     zero = torch.zeros((), dtype=cd, device=lp.device)
     n0 = m.sum().to(torch.float64)
-    adv = torch.where(m, adv.detach(), zero)
-    log_ratio = torch.where(m, lp - old, zero)
+    adv = fill_outside(m, adv.detach(), zero)
+    log_ratio = fill_outside(m, lp - old, zero)
     if importance_sampling_level == "sequence":
         ratio, adv = sequence_ratio_and_advantages(log_ratio, adv, m, cu_seqlens)
     else:
@@ -373,12 +374,12 @@ def cispo_loss_terms(
     if rejection_sampling is not None:
         assert old_logprobs is not None
         m, w_b, filtered_fraction = apply_rejection_sampling(prox, old_logprobs, m, cu_seqlens, rejection_sampling)
-    adv = torch.where(m, adv.detach(), zero)
-    log_ratio = torch.where(m, lp - prox, zero).detach()
+    adv = fill_outside(m, adv.detach(), zero)
+    log_ratio = fill_outside(m, lp - prox, zero).detach()
     ratio = torch.exp(log_ratio)
     # CISPO (MiniMax-M1 Eq. 4-5, AReaL §1.5): L = -sg(clip(r, 1-ε, 1+ε_hi))·A·ℓθ; gradient only via ℓθ.
     clipped = torch.clamp(ratio, 1.0 - eps_lo, 1.0 + eps_hi).detach()
-    per_token = -clipped * adv * torch.where(m, lp, zero)
+    per_token = -clipped * adv * fill_outside(m, lp, zero)
     stats: dict[str, Any] = {}
     if rejection_sampling is not None:
         w_b = w_b.to(cd)

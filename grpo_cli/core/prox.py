@@ -37,6 +37,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor
 
+from grpo_cli.core._loss_common import fill_outside
 from grpo_cli.core.packing import broadcast_to_tokens
 
 __all__ = [
@@ -329,8 +330,8 @@ def prox_importance_weights(
     prox, old, new = (t.detach().to(dtype) for t in (prox_logp, old_logp, logprobs))
     zero = torch.zeros((), dtype=dtype, device=prox.device)
     return {
-        "behave_imp_weight": torch.where(keep, torch.exp(prox - old), zero),
-        "importance_weight": torch.where(keep, torch.exp(new - prox), zero),
+        "behave_imp_weight": fill_outside(keep, torch.exp(prox - old), zero),
+        "importance_weight": fill_outside(keep, torch.exp(new - prox), zero),
     }
 
 
@@ -401,7 +402,7 @@ def prox_approximation_errors(
 
     zero = torch.zeros((), dtype=dtype, device=approx.device)
     per_token = dict(zip(PROX_ERROR_KEYS, (abs_e, rel_e, sq_e, b_abs, b_rel, i_abs, i_rel), strict=True))
-    return {key: torch.where(keep, value, zero) for key, value in per_token.items()}
+    return {key: fill_outside(keep, value, zero) for key, value in per_token.items()}
 
 
 def reduce_prox_errors(errors: Mapping[str, Tensor], mask: Tensor | None = None) -> dict[str, float]:
@@ -437,8 +438,8 @@ def reduce_prox_errors(errors: Mapping[str, Tensor], mask: Tensor | None = None)
         if tuple(value.shape) != tuple(keep.shape):
             raise ValueError(f"errors[{key!r}] has shape {tuple(value.shape)}, the mask {tuple(keep.shape)}")
         v = value.detach()
-        total = torch.where(keep, v, torch.zeros((), dtype=v.dtype, device=v.device)).sum(dtype=torch.float64)
-        peak = torch.where(keep, v, torch.full((), float("-inf"), dtype=v.dtype, device=v.device)).amax()
+        total = fill_outside(keep, v, torch.zeros((), dtype=v.dtype, device=v.device)).sum(dtype=torch.float64)
+        peak = fill_outside(keep, v, torch.full((), float("-inf"), dtype=v.dtype, device=v.device)).amax()
         mean = total / n_valid
         names += [f"{key}_mean", f"{key}_max"]
         values += [mean, peak.to(torch.float64)]

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grpo_cli.core._loss_common import fill_outside
 from grpo_cli.core.histogram import N_BINS, QUANTILE_REL_ERROR, ZERO, histogram_counts, histogram_quantiles
 from grpo_cli.core.ppo import ppo_actor_loss_terms
 from grpo_cli.core.prox import (
@@ -230,7 +231,7 @@ def _flatten_inputs(
 def _masked_max(values: Tensor, mask: Tensor) -> Tensor:
     if values.numel() == 0:
         return torch.full((), -math.inf, dtype=torch.float64, device=values.device)
-    return torch.where(mask, values.to(torch.float64), -math.inf).amax()
+    return fill_outside(mask, values.to(torch.float64), -math.inf).amax()
 
 
 def _bin_counts(bins: Tensor, mask: Tensor, n_bins: int) -> Tensor:
@@ -316,7 +317,9 @@ def prox_compare_update(
     if lag.is_floating_point():  # fractional versions: the bin of ⌊k⌋
         lag = torch.floor(torch.nan_to_num(lag, nan=-1.0))
     lag = lag.to(torch.int64)
-    lag_bin = torch.where(lag < 0, max_lag + 1, lag.clamp(0, max_lag))
+    lag_bin = lag.clamp(0, max_lag)
+    if lag.numel() and lag.min() < 0:  # v_b > v_θ: a broken dump, so the negative bin is rarely needed
+        lag_bin = torch.where(lag < 0, max_lag + 1, lag_bin)
     compared = valid & (ver >= 0)
     n_compared = compared.sum()
     state.update(
