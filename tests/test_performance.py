@@ -208,6 +208,19 @@ def test_valid_view_is_built_once_and_shared_by_the_validator():
     assert replace(clean).memo() == {}  # a copy starts with an empty memo
 
 
+def test_valid_view_of_an_all_true_mask_equals_the_general_compaction():
+    # Response-only dumps have no masked token: the view then gathers nothing, but must equal the gather's result
+    # (an int8 mask of ones takes the general path on the same data).
+    batch = batch_with_masks()
+    fast = replace(batch, loss_mask=torch.ones(batch.n_tokens, dtype=torch.bool))._compact()
+    general = replace(batch, loss_mask=torch.ones(batch.n_tokens, dtype=torch.int8))._compact()
+    lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
+    assert fast.positions.tolist() == [p for n in lengths for p in range(n)]
+    for name in ("cu_seqlens", "positions", "loss_mask", "new_logp", "versions", "current_version", "rows"):
+        a, b = getattr(fast, name), getattr(general, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
 def test_memoised_computes_once_across_threads():
     # Metric threads ask for the same per-batch intermediate at once: one computes, the others wait for it.
     batch = batch_with_masks()

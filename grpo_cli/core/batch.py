@@ -171,6 +171,16 @@ class TokenBatch:
 
     def _compact(self) -> TokenBatch:
         seq = segment_ids(self.cu_seqlens, self.n_tokens)
+        mask = self.loss_mask
+        if mask.dtype == torch.bool and mask.numel() and bool(mask.view(torch.uint8).amin()):
+            # Every token is in the loss (dumps that store responses only): the columns are already compact, so
+            # nothing is gathered; the result equals the general path's (tested).
+            index = torch.arange(self.n_tokens, device=self.device)
+            return replace(
+                self,
+                cu_seqlens=cu_seqlens_from_lengths(self.cu_seqlens[1:] - self.cu_seqlens[:-1]),
+                positions=index - self.cu_seqlens[:-1].index_select(0, seq),
+            )
         # One nonzero() shared by every column (boolean indexing would redo it per column), and index_select
         # rather than advanced indexing: the same gather through a kernel several times faster on CPU.
         index = torch.nonzero(self.loss_mask).flatten()
