@@ -13,7 +13,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
@@ -29,9 +29,11 @@ from grpo_cli.core.prox_compare import (
     P99_REL_ERROR_BOUND,
     PROX_COMPARE_FIGURES,
     REJECTION_FIGURES,
+    ProxCompareBatch,
     prox_compare_compute,
+    prox_compare_fold,
+    prox_compare_prepare,
     prox_compare_state,
-    prox_compare_update,
 )
 from grpo_cli.core.state import MetricState
 from grpo_cli.errors import InputError, UsageError
@@ -123,9 +125,21 @@ class CompareProxConfig(PPOOptions):
 
 
 class ProxCompareGroup:
-    """The ``prox/*`` figures (:mod:`grpo_cli.core.prox_compare`) as a metric group of the streaming pass."""
+    """The ``prox/*`` figures (:mod:`grpo_cli.core.prox_compare`) as a metric group of the streaming pass.
 
-    name = "prox"
+    ``methods`` restricts the group to some of ``--method``'s approximations (default: all of them).
+    :func:`compare_prox_groups` makes one group per method, so the metric threads compare the methods in
+    parallel; the method-independent work on a batch (:func:`~grpo_cli.core.prox_compare.prox_compare_prepare`)
+    is done once and shared (:meth:`~grpo_cli.core.batch.TokenBatch.memoised`), and every group reports the same
+    shared figures (``prox/n_tokens``, ``prox/loss_ppo``).
+    """
+
+    def __init__(self, methods: Sequence[str] | None = None) -> None:
+        self.methods = None if methods is None else tuple(methods)
+        self.name = "prox" if self.methods is None else f"prox/{'+'.join(self.methods)}"
+
+    def _methods(self, config: CompareProxConfig) -> tuple[str, ...]:
+        return tuple(config.methods) if self.methods is None else tuple(self.methods)
 
     def columns(self) -> frozenset[str]:
         return frozenset({"new_logp", "old_logp", "prox_logp", "versions", "advantages", "current_version"})
@@ -134,16 +148,16 @@ class ProxCompareGroup:
         out: dict[str, str] = {}
         if "advantages" not in columns:
             out["prox/loss_ppo"] = "needs an 'advantages' column (the PPO loss and its clip decisions use A)"
-            for m in config.methods:
+            for m in self._methods(config):
                 out.update(dict.fromkeys((f"prox/{m}/{f}" for f in LOSS_FIGURES), out["prox/loss_ppo"]))
         if config.rejection_sampling() is None:
             reason = "rejection sampling is off (set --rs-upper, --rs-metric, ... to enable it)"
-            for m in config.methods:
+            for m in self._methods(config):
                 out.update(dict.fromkeys((f"prox/{m}/{f}" for f in REJECTION_FIGURES), reason))
         return out
 
     def init_state(self, config: CompareProxConfig, device: torch.device | str) -> MetricState:
-        return prox_compare_state(config.methods, max_lag=config.max_lag, device=device)
+        return prox_compare_state(self._methods(config), max_lag=config.max_lag, device=device)
 
     def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: CompareProxConfig) -> None:
         if valid.old_logp is None or valid.prox_logp is None or valid.versions is None:
@@ -151,21 +165,26 @@ class ProxCompareGroup:
         current = valid.current_version if valid.current_version is not None else config.current_version
         if current is None:
             raise InputError("no current version: neither a 'current_version' column nor --current-version")
-        prox_compare_update(
-            state,
-            new_logp=valid.new_logp,
-            old_logp=valid.old_logp,
-            prox_logp=valid.prox_logp,
-            versions=valid.versions,
-            current_version=current,
-            cu_seqlens=valid.cu_seqlens,
-            advantages=valid.advantages,
-            eps_clip=config.epsilon,
-            eps_clip_higher=config.epsilon_high,
-            c_clip=config.c_clip,
-            rejection_sampling=config.rejection_sampling(),
-            importance_sampling_level=config.importance_level,
-        )
+
+        def prepare() -> ProxCompareBatch:
+            return prox_compare_prepare(
+                new_logp=valid.new_logp,
+                old_logp=valid.old_logp,
+                prox_logp=valid.prox_logp,
+                versions=valid.versions,
+                current_version=current,
+                cu_seqlens=valid.cu_seqlens,
+                advantages=valid.advantages,
+                eps_clip=config.epsilon,
+                eps_clip_higher=config.epsilon_high,
+                c_clip=config.c_clip,
+                rejection_sampling=config.rejection_sampling(),
+                importance_sampling_level=config.importance_level,
+                max_lag=config.max_lag,
+                methods=config.methods,
+            )
+
+        prox_compare_fold(state, valid.memoised("prox_compare", prepare))
 
     def compute(self, state: MetricState, config: CompareProxConfig) -> dict[str, Any]:
         return prox_compare_compute(state, tolerance=config.tolerance)
@@ -247,9 +266,11 @@ def recommendation(metrics: Mapping[str, Any], method: str, tolerance: float) ->
     return f"{method}: safe up to lag {safe} (abs_error_mean ≤ {tolerance:g}); lag {where} has {worst_err}{note}"
 
 
-def compare_prox_groups() -> list[Any]:
-    """The metric groups of a ``compare-prox`` pass, in report order (validation and counts as ``analyze``)."""
-    return [ValidationGroup(), CountsGroup(), ProxCompareGroup()]
+def compare_prox_groups(methods: Sequence[str] | None = None) -> list[Any]:
+    """The metric groups of a ``compare-prox`` pass, in report order (validation and counts as ``analyze``): one
+    :class:`ProxCompareGroup` per method of ``methods``, or one for every method of the config (default)."""
+    prox = [ProxCompareGroup()] if methods is None else [ProxCompareGroup((m,)) for m in methods]
+    return [ValidationGroup(), CountsGroup(), *prox]
 
 
 def compare_prox(
@@ -270,7 +291,7 @@ def compare_prox(
     """
     config.validate()
     check_columns(dataset, config)
-    groups = compare_prox_groups()
+    groups = compare_prox_groups(config.methods)
     # --workers processes or torchrun ranks, merged exactly (grpo_cli.parallel).
     acc = accumulate(dataset, config, groups, workers=workers, progress=progress)  # type: ignore[arg-type]
     base = finalize(dataset, config, groups, acc)  # type: ignore[arg-type]

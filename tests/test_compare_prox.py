@@ -24,6 +24,8 @@ from grpo_cli.core.prox_compare import (
     P99_REL_ERROR_BOUND,
     max_safe_lag,
     prox_compare_compute,
+    prox_compare_fold,
+    prox_compare_prepare,
     prox_compare_state,
     prox_compare_update,
     rejection_changes,
@@ -522,6 +524,27 @@ def test_batch_size_independence(chunks):
     whole = run_core(seqs, rs=rs, c_clip=2.5)
     split = run_core(seqs, chunks=chunks, rs=rs, c_clip=2.5)
     assert_same_figures(split, whole)
+
+
+def test_one_prepared_batch_folded_per_method_equals_one_update():
+    # compare-prox folds a shared prepared batch into one state per method (one metric group each, in threads):
+    # every state holds the shared counts and its method's figures, exactly as one state of all methods would.
+    seqs = random_seqs(30, seed=12)
+    batch = packed(seqs)
+    rs = RejectionSamplingConfig(upper=1.5)
+    whole = prox_compare_state(METHODS, max_lag=8)
+    prox_compare_update(whole, **batch, c_clip=3.0, rejection_sampling=rs)
+    prepared = prox_compare_prepare(**batch, c_clip=3.0, rejection_sampling=rs, max_lag=8, methods=METHODS)
+    for m in METHODS:
+        state = prox_compare_state([m], max_lag=8)
+        prox_compare_fold(state, prepared)
+        for name in state:
+            assert torch.equal(state[name], whole[name]), (m, name)
+    with pytest.raises(ValueError, match="max_lag"):
+        prox_compare_fold(prox_compare_state(METHODS, max_lag=4), prepared)
+    only_one = prox_compare_prepare(**batch, max_lag=8, methods=["loglinear"])
+    with pytest.raises(ValueError, match="linear"):
+        prox_compare_fold(prox_compare_state(["linear"], max_lag=8), only_one)
 
 
 def test_p99_histogram_bound_and_edges():

@@ -63,8 +63,11 @@ from grpo_cli.core.prox import (
 )
 from grpo_cli.core.prox_compare import (
     P99_REL_ERROR_BOUND,
+    ProxCompareBatch,
     max_safe_lag,
     prox_compare_compute,
+    prox_compare_fold,
+    prox_compare_prepare,
     prox_compare_state,
     prox_compare_update,
     rejection_changes,
@@ -139,8 +142,11 @@ __all__ = [
     "prox_interpolation_alpha",
     "reduce_prox_errors",
     "P99_REL_ERROR_BOUND",
+    "ProxCompareBatch",
     "max_safe_lag",
     "prox_compare_compute",
+    "prox_compare_fold",
+    "prox_compare_prepare",
     "prox_compare_state",
     "prox_compare_update",
     "rejection_changes",

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -62,6 +62,7 @@ from grpo_cli.core.state import MetricState, count, maximum, total
 
 __all__ = [
     "DEFAULT_MAX_LAG",
+    "ProxCompareBatch",
     "DEFAULT_TOLERANCE",
     "LOSS_FIGURES",
     "P99_REL_ERROR_BOUND",
@@ -69,6 +70,8 @@ __all__ = [
     "REJECTION_FIGURES",
     "max_safe_lag",
     "prox_compare_compute",
+    "prox_compare_fold",
+    "prox_compare_prepare",
     "prox_compare_state",
     "prox_compare_update",
     "rejection_changes",
@@ -255,6 +258,178 @@ def _without_zeros(counts: Tensor, n_zeros: Tensor | int) -> Tensor:
     return counts
 
 
+@dataclass(frozen=True)
+class ProxCompareBatch:
+    """What every method's comparison shares on one batch (:func:`prox_compare_prepare`): the flattened inputs,
+    lags and their bins, the compared tokens, every method's approximation, and the truth's loss terms and
+    rejection outcome.
+
+    Computing it once lets :func:`prox_compare_fold` be called per method (``compare-prox`` runs one metric
+    group per method, in threads) without repeating it; the fields are read-only.
+    """
+
+    new: Tensor
+    old: Tensor
+    truth: Tensor
+    approximations: dict[str, Tensor]
+    valid: Tensor
+    compared: Tensor
+    cu_seqlens: Tensor
+    n_compared: Tensor
+    lag_max: Tensor
+    lag_bin: Tensor
+    lag_counts: Tensor
+    present: list[int]
+    n_outside: Tensor
+    rejection_sampling: RejectionSamplingConfig | None
+    changed_truth: Tensor | None
+    advantages: Tensor | None
+    eps_clip: float
+    loss_kwargs: dict[str, Any]
+    loss_truth: tuple[Tensor, Tensor, dict[str, Any]] | None
+
+
+def prox_compare_prepare(
+    *,
+    new_logp: Tensor,
+    old_logp: Tensor,
+    prox_logp: Tensor,
+    versions: Tensor,
+    current_version: int | Tensor,
+    cu_seqlens: Tensor | None = None,
+    loss_mask: Tensor | None = None,
+    advantages: Tensor | None = None,
+    eps_clip: float = 0.2,
+    eps_clip_higher: float | None = None,
+    c_clip: float | None = None,
+    rejection_sampling: RejectionSamplingConfig | None = None,
+    importance_sampling_level: str = "token",
+    max_lag: int = DEFAULT_MAX_LAG,
+    methods: Iterable[str] | None = None,
+) -> ProxCompareBatch:
+    """The part of :func:`prox_compare_update` that every method shares (same arguments, plus the state's
+    ``max_lag`` and the ``methods`` whose approximations to compute: default all)."""
+    tensors, current_version, cu = _flatten_inputs(
+        {"new_logp": new_logp, "old_logp": old_logp, "prox_logp": prox_logp, "versions": versions,
+         "loss_mask": loss_mask, "advantages": advantages},
+        current_version,
+        cu_seqlens,
+    )
+    new, old, truth, ver = (tensors[k] for k in ("new_logp", "old_logp", "prox_logp", "versions"))
+    assert new is not None and old is not None and truth is not None and ver is not None
+    raw_mask, adv = tensors["loss_mask"], tensors["advantages"]
+    if raw_mask is None:
+        valid = torch.ones(new.shape, dtype=torch.bool, device=new.device)
+    else:
+        valid = raw_mask if raw_mask.dtype == torch.bool else raw_mask != 0
+
+    # v_θ per token, once: a length-B tensor is per sequence, anything else goes to broadcast_current_version as is.
+    per_sequence = isinstance(current_version, Tensor) and current_version.ndim == 1 and (
+        current_version.numel() == cu.numel() - 1
+    )
+    v_theta = broadcast_current_version(current_version, ver, cu_seqlens=cu if per_sequence else None)
+    # Lag k = v_θ − v_b (AReaL's sample_staleness_theta); bins as grpo_cli.core.staleness: k for 0 ≤ k < max_lag,
+    # max_lag for k ≥ max_lag, max_lag + 1 for k < 0.
+    lag = v_theta - ver
+    if lag.is_floating_point():  # fractional versions: the bin of ⌊k⌋
+        lag = torch.floor(torch.nan_to_num(lag, nan=-1.0))
+    lag = lag.to(torch.int64)
+    lag_bin = lag.clamp(0, max_lag)
+    if lag.numel() and lag.min() < 0:  # v_b > v_θ: a broken dump, so the negative bin is rarely needed
+        lag_bin = torch.where(lag < 0, max_lag + 1, lag_bin)
+    compared = valid & (ver >= 0)
+    n_compared = compared.sum()
+    lag_counts = _bin_counts(lag_bin, compared, max_lag + 2)
+    changed_truth = None
+    if rejection_sampling is not None:
+        changed_truth = rejection_changes(truth, old, valid, cu, rejection_sampling)
+    loss_kwargs: dict[str, Any] = {
+        "eps_clip_higher": eps_clip_higher,
+        "c_clip": c_clip,
+        "rejection_sampling": rejection_sampling,
+        "importance_sampling_level": importance_sampling_level,
+        "cu_seqlens": cu,
+    }
+    loss_truth = None
+    if adv is not None:
+        loss_truth = ppo_actor_loss_terms(new, truth, old, adv, eps_clip, valid, **loss_kwargs)
+    return ProxCompareBatch(
+        new=new, old=old, truth=truth, valid=valid, compared=compared,
+        approximations=compute_prox_logp_approximations(old, new, ver, v_theta, _methods(methods)),
+        cu_seqlens=cu, n_compared=n_compared, lag_max=_masked_max(lag, compared), lag_bin=lag_bin,
+        lag_counts=lag_counts, present=torch.nonzero(lag_counts).flatten().tolist(),
+        n_outside=new.numel() - n_compared,  # tokens whose errors are 0 (prox_approximation_errors' contract)
+        rejection_sampling=rejection_sampling, changed_truth=changed_truth, advantages=adv, eps_clip=eps_clip,
+        loss_kwargs=loss_kwargs, loss_truth=loss_truth,
+    )
+
+
+def prox_compare_fold(state: MetricState, batch: ProxCompareBatch) -> None:
+    """Fold a prepared batch into ``state``: the shared counts and the figures of the state's methods."""
+    methods = _state_methods(state)
+    n_lag = state["lag/n"].shape[0]
+    if batch.lag_counts.shape[0] != n_lag:
+        prepared = batch.lag_counts.shape[0] - 2
+        raise ValueError(f"the batch was prepared with max_lag {prepared}, the state has {n_lag - 2}")
+    compared, lag_bin, present, n_compared = batch.compared, batch.lag_bin, batch.present, batch.n_compared
+    new, old, truth, valid, cu = batch.new, batch.old, batch.truth, batch.valid, batch.cu_seqlens
+    state.update(n_tokens=n_compared, n_valid=valid.sum(), lag_max=batch.lag_max, **{"lag/n": batch.lag_counts})
+
+    missing = [m for m in methods if m not in batch.approximations]
+    if missing:
+        raise ValueError(f"the batch was prepared without the approximations of {missing}")
+    approximations = batch.approximations
+    for m in methods:
+        errors = prox_approximation_errors(approximations[m], truth, old, new, compared)  # 0 outside `compared`
+        abs_error = errors["abs_error"]
+        state.update(
+            **{f"{m}/{key}": errors[key].sum(dtype=torch.float64) for key in PROX_ERROR_KEYS},
+            **{
+                f"{m}/abs_error_max": _masked_max(abs_error, compared),
+                # the shared fixed-edge histogram (grpo_cli.core.histogram) of the compared tokens' |d|: every
+                # other token holds an exact 0, so it is counted out of the zero bin instead of compacting |d|
+                f"{m}/abs_error_hist": _without_zeros(histogram_counts(abs_error), batch.n_outside),
+                f"{m}/lag/abs_error": _bin_sums(lag_bin, abs_error, present, n_lag),
+                f"{m}/lag/squared_error": _bin_sums(lag_bin, errors["squared_error"], present, n_lag),
+            },
+        )
+
+    if batch.rejection_sampling is not None:
+        assert batch.changed_truth is not None
+        state.update(n_rs_tokens=n_compared)
+        for m in methods:
+            changed = rejection_changes(approximations[m], old, valid, cu, batch.rejection_sampling)
+            state.update(**{f"{m}/behave_flips": ((changed != batch.changed_truth) & compared).sum()})
+
+    if batch.loss_truth is None:
+        return
+    adv = batch.advantages
+    assert adv is not None
+    num_truth, n0, stats_truth = batch.loss_truth
+    state.update(
+        n_loss=n0.to(torch.int64),
+        loss_truth=num_truth,
+        n_clip_tokens=n_compared,
+        **{"lag/n_clip": batch.lag_counts},
+    )
+    for m in methods:
+        num, _, stats = ppo_actor_loss_terms(
+            new, approximations[m], old, adv, batch.eps_clip, valid, **batch.loss_kwargs
+        )
+        # The clip decision is the pair (clip, dual clip): a token moving between them also changes its gradient.
+        flips = (stats["clip_mask"] != stats_truth["clip_mask"]) | (
+            stats["dual_clip_mask"] != stats_truth["dual_clip_mask"]
+        )
+        flips = flips & compared
+        state.update(
+            **{
+                f"{m}/loss": num,
+                f"{m}/clip_flips": flips.sum(),
+                f"{m}/lag/clip_flips": _bin_counts(lag_bin, flips, n_lag),
+            }
+        )
+
+
 def prox_compare_update(
     state: MetricState,
     *,
@@ -289,102 +464,14 @@ def prox_compare_update(
         rejection_sampling: AReaL's rejection sampling; ``None`` (off) leaves the behaviour-weight flips and the
             loss's behaviour weight out, as AReaL does.
     """
-    methods = _state_methods(state)
-    tensors, current_version, cu = _flatten_inputs(
-        {"new_logp": new_logp, "old_logp": old_logp, "prox_logp": prox_logp, "versions": versions,
-         "loss_mask": loss_mask, "advantages": advantages},
-        current_version,
-        cu_seqlens,
+    prepared = prox_compare_prepare(
+        new_logp=new_logp, old_logp=old_logp, prox_logp=prox_logp, versions=versions,
+        current_version=current_version, cu_seqlens=cu_seqlens, loss_mask=loss_mask, advantages=advantages,
+        eps_clip=eps_clip, eps_clip_higher=eps_clip_higher, c_clip=c_clip, rejection_sampling=rejection_sampling,
+        importance_sampling_level=importance_sampling_level, max_lag=state["lag/n"].shape[0] - 2,
+        methods=_state_methods(state),
     )
-    new, old, truth, ver = (tensors[k] for k in ("new_logp", "old_logp", "prox_logp", "versions"))
-    assert new is not None and old is not None and truth is not None and ver is not None
-    raw_mask, adv = tensors["loss_mask"], tensors["advantages"]
-    if raw_mask is None:
-        valid = torch.ones(new.shape, dtype=torch.bool, device=new.device)
-    else:
-        valid = raw_mask if raw_mask.dtype == torch.bool else raw_mask != 0
-    n_lag = state["lag/n"].shape[0]
-    max_lag = n_lag - 2
-
-    # v_θ per token, once: a length-B tensor is per sequence, anything else goes to broadcast_current_version as is.
-    per_sequence = isinstance(current_version, Tensor) and current_version.ndim == 1 and (
-        current_version.numel() == cu.numel() - 1
-    )
-    v_theta = broadcast_current_version(current_version, ver, cu_seqlens=cu if per_sequence else None)
-    # Lag k = v_θ − v_b (AReaL's sample_staleness_theta); bins as grpo_cli.core.staleness: k for 0 ≤ k < max_lag,
-    # max_lag for k ≥ max_lag, max_lag + 1 for k < 0.
-    lag = v_theta - ver
-    if lag.is_floating_point():  # fractional versions: the bin of ⌊k⌋
-        lag = torch.floor(torch.nan_to_num(lag, nan=-1.0))
-    lag = lag.to(torch.int64)
-    lag_bin = lag.clamp(0, max_lag)
-    if lag.numel() and lag.min() < 0:  # v_b > v_θ: a broken dump, so the negative bin is rarely needed
-        lag_bin = torch.where(lag < 0, max_lag + 1, lag_bin)
-    compared = valid & (ver >= 0)
-    n_compared = compared.sum()
-    state.update(
-        n_tokens=n_compared,
-        n_valid=valid.sum(),
-        lag_max=_masked_max(lag, compared),
-    )
-    lag_counts = _bin_counts(lag_bin, compared, n_lag)
-    state.update(**{"lag/n": lag_counts})
-    present = torch.nonzero(lag_counts).flatten().tolist()
-    n_outside = new.numel() - n_compared  # tokens whose errors are 0 (prox_approximation_errors' contract)
-
-    approximations = compute_prox_logp_approximations(old, new, ver, v_theta, methods)
-    for m in methods:
-        errors = prox_approximation_errors(approximations[m], truth, old, new, compared)  # 0 outside `compared`
-        abs_error = errors["abs_error"]
-        state.update(
-            **{f"{m}/{key}": errors[key].sum(dtype=torch.float64) for key in PROX_ERROR_KEYS},
-            **{
-                f"{m}/abs_error_max": _masked_max(abs_error, compared),
-                # the shared fixed-edge histogram (grpo_cli.core.histogram) of the compared tokens' |d|: every
-                # other token holds an exact 0, so it is counted out of the zero bin instead of compacting |d|
-                f"{m}/abs_error_hist": _without_zeros(histogram_counts(abs_error), n_outside),
-                f"{m}/lag/abs_error": _bin_sums(lag_bin, abs_error, present, n_lag),
-                f"{m}/lag/squared_error": _bin_sums(lag_bin, errors["squared_error"], present, n_lag),
-            },
-        )
-
-    if rejection_sampling is not None:
-        state.update(n_rs_tokens=n_compared)
-        changed_truth = rejection_changes(truth, old, valid, cu, rejection_sampling)
-        for m in methods:
-            changed = rejection_changes(approximations[m], old, valid, cu, rejection_sampling)
-            state.update(**{f"{m}/behave_flips": ((changed != changed_truth) & compared).sum()})
-
-    if adv is None:
-        return
-    loss_kwargs: dict[str, Any] = {
-        "eps_clip_higher": eps_clip_higher,
-        "c_clip": c_clip,
-        "rejection_sampling": rejection_sampling,
-        "importance_sampling_level": importance_sampling_level,
-        "cu_seqlens": cu,
-    }
-    num_truth, n0, stats_truth = ppo_actor_loss_terms(new, truth, old, adv, eps_clip, valid, **loss_kwargs)
-    state.update(
-        n_loss=n0.to(torch.int64),
-        loss_truth=num_truth,
-        n_clip_tokens=n_compared,
-        **{"lag/n_clip": lag_counts},
-    )
-    for m in methods:
-        num, _, stats = ppo_actor_loss_terms(new, approximations[m], old, adv, eps_clip, valid, **loss_kwargs)
-        # The clip decision is the pair (clip, dual clip): a token moving between them also changes its gradient.
-        flips = (stats["clip_mask"] != stats_truth["clip_mask"]) | (
-            stats["dual_clip_mask"] != stats_truth["dual_clip_mask"]
-        )
-        flips = flips & compared
-        state.update(
-            **{
-                f"{m}/loss": num,
-                f"{m}/clip_flips": flips.sum(),
-                f"{m}/lag/clip_flips": _bin_counts(lag_bin, flips, n_lag),
-            }
-        )
+    prox_compare_fold(state, prepared)
 
 
 def max_safe_lag(rows: Sequence[Mapping[str, Any]], tolerance: float) -> int | None:
