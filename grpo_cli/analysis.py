@@ -275,9 +275,12 @@ class Accumulator:
 BATCHES_IN_FLIGHT = 2
 """Batches whose metric updates may be queued at once with ``threads`` > 1 (each holds its tensors until done)."""
 
+PROBE_BATCHES = 2
+"""Batches run in the calling thread, timed per group, before the metric threads start."""
+
 MIN_THREAD_SPEEDUP = 1.5
-"""Metric threads are kept only if the groups' times on the first batch allow at least this speed-up (their sum
-over the longest one)."""
+"""Metric threads are kept only if the groups' times on the last probe batch allow at least this speed-up (their
+sum over the longest one)."""
 
 
 class _GroupRunner:
@@ -288,16 +291,17 @@ class _GroupRunner:
     :data:`BATCHES_IN_FLIGHT` batches are handed over at a time (memory stays bounded). A task first waits for the
     same state's task on the previous batch, so every state still sees the batches in order, and no figure depends
     on ``threads`` (torch computes each op on the calling thread, with one intra-op thread per process). torch
-    releases the GIL inside its kernels, so the threads run in parallel. The first batch runs in the caller, timed
-    per group; after it, a batch's tasks start in decreasing order of the time each group has taken so far (longest
-    first balances the threads without a hand-kept cost table), or, if one group dominates
-    (:data:`MIN_THREAD_SPEEDUP`), every batch runs in the caller.
+    releases the GIL inside its kernels, so the threads run in parallel. The first :data:`PROBE_BATCHES` batches
+    run in the caller, timed per group; after them, a batch's tasks start in decreasing order of the time each group
+    has taken so far (longest first balances the threads without a hand-kept cost table), or, if one group
+    dominates (:data:`MIN_THREAD_SPEEDUP`), every batch runs in the caller.
     """
 
     def __init__(self, threads: int, n_groups: int) -> None:
         threads = min(threads, n_groups)  # more would idle
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="grpo-cli-metrics") if threads > 1 else None
         self.seconds: dict[int, float] = {}
+        self.probed = 0
         self.in_flight: deque[list[Future[None]]] = deque()
         self.last: dict[int, Future[None]] = {}  # id(state) -> its latest task
 
@@ -317,14 +321,17 @@ class _GroupRunner:
             for group, state in zip(groups, states):
                 group.update(state, batch, valid, config)  # type: ignore[arg-type]
             return
-        if not self.seconds:
-            # The first batch runs here, timed group by group: the threads stay only if the work can be spread
-            # (compare-prox's is one group's: threads would only contend with it).
+        if self.probed < PROBE_BATCHES:
+            # The first batches run here, timed group by group (the last one counts: the first pays one-time
+            # costs); the threads stay only if the work can be spread, not when one group dominates.
             for i, (group, state) in enumerate(zip(groups, states)):
                 start = time.perf_counter()
                 group.update(state, batch, valid, config)  # type: ignore[arg-type]
                 self.seconds[i] = time.perf_counter() - start
-            if sum(self.seconds.values()) < MIN_THREAD_SPEEDUP * max(self.seconds.values(), default=0.0):
+            self.probed += 1
+            if self.probed == PROBE_BATCHES and (
+                sum(self.seconds.values()) < MIN_THREAD_SPEEDUP * max(self.seconds.values(), default=0.0)
+            ):
                 self.pool.shutdown()
                 self.pool = None
             return
