@@ -99,9 +99,10 @@ def _bins32(values: Tensor) -> Tensor:
     # OVERFLOW (the next index) and below the bottom on UNDERFLOW (the previous one), so one clamp places every
     # positive value, +inf included. The sign bit makes negative values (−0.0, −NaN) negative keys.
     idx = (x.view(torch.int32) >> _SHIFT).sub_(_FIRST_KEY - _MAIN0).clamp_(UNDERFLOW, OVERFLOW)
-    # Zeros, negative values and NaN are rare: one reduction says which of the two masks below are needed (amin
-    # propagates NaN, which then fails both tests and takes the full path).
-    low = float(x.amin()) if x.numel() else 1.0
+    # Zeros, negative values and NaN are rare: on a CPU one reduction says which of the two masks below are needed
+    # (amin propagates NaN, which then fails both tests and takes the full path); a GPU builds both masks faster
+    # than it would sync for the answer.
+    low = float(x.amin()) if x.numel() and x.device.type == "cpu" else -math.inf
     if low > 0:
         return idx
     idx.masked_fill_(x == 0, ZERO)  # +0.0 and −0.0
