@@ -144,23 +144,26 @@ def sigmoid(x: Tensor) -> Tensor:
     return torch.reciprocal(1.0 + torch.exp(-x))
 
 
+def all_true(mask: Tensor) -> bool:
+    """Whether ``mask`` is a non-empty bool tensor of True only, read as the minimum of its bytes: a vectorised
+    reduction, where ``all()`` over bools is a scalar loop on CPU (about 90 µs against 4 µs for 2¹⁸ tokens)."""
+    return mask.dtype == torch.bool and mask.numel() > 0 and bool(mask.view(torch.uint8).amin())
+
+
 def fill_outside(mask: Tensor, values: Tensor, fill: Tensor | float) -> Tensor:
     """``torch.where(mask, values, fill)``: ``values`` where ``mask`` holds, ``fill`` elsewhere.
 
     torch's CPU ``where`` is a scalar loop (about 1.3 ns per element, more than ten times an add), and the masks
     that neutralise off-mask garbage are usually all true (``analyze`` and ``compare-prox`` pass compacted valid
-    tokens). So on a CPU one reduction decides (the minimum of the mask's bytes: a vectorised ``amin``, where
-    ``all()`` on bools is another scalar loop), and an all-true mask returns ``values`` itself: the same values and
-    gradients as the ``where``, so treat the result as read-only. On a GPU the reduction's host sync would cost
-    more than the kernel, which always runs there.
+    tokens). So on a CPU one reduction decides (:func:`all_true`), and an all-true mask returns ``values`` itself:
+    the same values and gradients as the ``where``, so treat the result as read-only. On a GPU the reduction's host
+    sync would cost more than the kernel, which always runs there.
     """
     if (
         values.device.type == "cpu"
-        and mask.dtype == torch.bool
         and mask.shape == values.shape
-        and mask.numel() > 0
         and torch.result_type(values, fill) == values.dtype
-        and bool(mask.view(torch.uint8).amin())
+        and all_true(mask)
     ):
         return values
     return torch.where(mask, values, fill)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grpo_cli.core._loss_common import all_true
 from grpo_cli.core.packing import cu_seqlens_from_lengths, segment_ids
 
 __all__ = ["PER_SEQUENCE_COLUMNS", "PER_TOKEN_COLUMNS", "TokenBatch"]
@@ -171,8 +172,7 @@ class TokenBatch:
 
     def _compact(self) -> TokenBatch:
         seq = segment_ids(self.cu_seqlens, self.n_tokens)
-        mask = self.loss_mask
-        if mask.dtype == torch.bool and mask.numel() and bool(mask.view(torch.uint8).amin()):
+        if all_true(self.loss_mask):
             # Every token is in the loss (dumps that store responses only): the columns are already compact, so
             # nothing is gathered; the result equals the general path's (tested).
             index = torch.arange(self.n_tokens, device=self.device)

@@ -57,7 +57,7 @@ from grpo_cli.core.prox import (
 )
 from grpo_cli.core.rejection import RejectionSamplingConfig, apply_rejection_sampling
 from grpo_cli.core.staleness import MAX_LAG as STALENESS_MAX_LAG
-from grpo_cli.core.staleness import lag_bin_sums
+from grpo_cli.core.staleness import lag_bin_sums, lag_bins
 from grpo_cli.core.state import MetricState, count, maximum, total
 
 __all__ = [
@@ -334,9 +334,7 @@ def prox_compare_prepare(
     if lag.is_floating_point():  # fractional versions: the bin of ⌊k⌋
         lag = torch.floor(torch.nan_to_num(lag, nan=-1.0))
     lag = lag.to(torch.int64)
-    lag_bin = lag.clamp(0, max_lag)
-    if lag.numel() and lag.min() < 0:  # v_b > v_θ: a broken dump, so the negative bin is rarely needed
-        lag_bin = torch.where(lag < 0, max_lag + 1, lag_bin)
+    lag_bin = lag_bins(lag, max_lag)
     compared = valid & (ver >= 0)
     n_compared = compared.sum()
     lag_counts = _bin_counts(lag_bin, compared, max_lag + 2)

@@ -31,7 +31,9 @@ from grpo_cli.core.offpolicy import working_logp
 from grpo_cli.core.prox import broadcast_current_version
 from grpo_cli.core.state import MetricState, count, maximum, minimum, total
 
-__all__ = ["MAX_LAG", "N_LAG_BINS", "lag_bin_sums", "staleness_compute", "staleness_state", "staleness_update"]
+__all__ = [
+    "MAX_LAG", "N_LAG_BINS", "lag_bin_sums", "lag_bins", "staleness_compute", "staleness_state", "staleness_update",
+]
 
 MAX_LAG = 64
 """Lags ``0 … MAX_LAG − 1`` get a bin each; larger lags share the overflow bin."""
@@ -59,6 +61,21 @@ def staleness_state(device: torch.device | str | None = None) -> MetricState:
         "on_policy_dev": maximum(),
     }
     return MetricState(specs, device)
+
+
+def lag_bins(lag: Tensor, max_lag: int = MAX_LAG, *, lowest: Tensor | None = None) -> Tensor:
+    """The bin of each integer lag: its own for ``0 … max_lag − 1``, ``max_lag`` for larger lags (overflow),
+    ``max_lag + 1`` for negative ones (a version newer than the trainer's). ``lowest``: ``lag.min()`` if the caller
+    has it; a negative lag means a broken dump, so the negative bin's mask is built only when one occurs.
+
+    Example:
+        >>> lag_bins(torch.tensor([0, 3, 9, -2]), max_lag=4).tolist()
+        [0, 3, 4, 5]
+    """
+    bins = lag.clamp(max=max_lag)
+    if lag.numel() and (lag.min() if lowest is None else lowest) < 0:
+        bins = torch.where(lag < 0, max_lag + 1, bins)
+    return bins
 
 
 def lag_bin_sums(bins: Tensor, present: list[int], columns: list[Tensor], n_bins: int = N_LAG_BINS) -> list[Tensor]:
@@ -132,9 +149,7 @@ def staleness_update(
 
     lag = pick(current.to(torch.int64)) - pick(versions.to(torch.int64))
     min_lag = lag.min()
-    bins = lag.clamp(max=_OVERFLOW)
-    if min_lag < 0:  # a version newer than the trainer's: a broken dump, so the negative bin is rarely needed
-        bins = torch.where(lag < 0, _NEGATIVE, bins)
+    bins = lag_bins(lag, lowest=min_lag)
     hist = torch.bincount(bins, minlength=N_LAG_BINS)
     state.update(n=torch.tensor(n), sum_lag=lag.sum(), min_lag=min_lag, max_lag=lag.max(), hist=hist)
     new = pick(working_logp(new_logp, temperature))
