@@ -25,9 +25,9 @@ def main() -> None:
     parser.add_argument("--ops", action="store_true")
     args = parser.parse_args()
 
-    from grpo_cli.analysis import AnalyzeConfig, default_groups
+    from grpo_cli.engine.validate import BatchValidator
     from grpo_cli.io.reader import DEFAULT_BATCH_TOKENS, RolloutDataset
-    from grpo_cli.io.validate import BatchValidator
+    from grpo_cli.metrics import AnalyzeConfig, default_groups
 
     torch.set_num_threads(1)
     batch_tokens = args.batch_tokens or DEFAULT_BATCH_TOKENS

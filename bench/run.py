@@ -105,7 +105,7 @@ def _chunk_table(rng, lengths, first_seq: int):  # type: ignore[no-untyped-def]
 
 # -- contenders (each runs in its own process) -----------------------------------------------------------------------
 def analyze_columns() -> list[str]:
-    from grpo_cli.analysis import default_groups
+    from grpo_cli.metrics import default_groups
 
     columns = {"loss_mask"}
     for group in default_groups():
@@ -176,8 +176,8 @@ CONTENDERS = {
 IMPORTS = {
     "decode": ["pyarrow.parquet"],
     "pandas": ["pandas", "pyarrow.parquet"],
-    "analyze": ["grpo_cli.cli", "grpo_cli.analysis"],
-    "compare-prox": ["grpo_cli.cli", "grpo_cli.analysis", "grpo_cli.compare_prox"],
+    "analyze": ["grpo_cli.cli", "grpo_cli.engine.run"],
+    "compare-prox": ["grpo_cli.cli", "grpo_cli.engine.run", "grpo_cli.commands.compare_prox"],
 }
 
 

@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import difflib
 import io
+import re
 import shutil
 import sys
 import tempfile
@@ -120,6 +121,7 @@ def write(directory: Path) -> None:
             (directory / f"{name}.err").write_text(stderr.getvalue().replace(tmp, "<tmp>"), encoding="utf-8")
             for produced in sorted(files.iterdir()):
                 content = produced.read_text(encoding="utf-8").replace(tmp, "<tmp>")
+                content = re.sub(r'time="[0-9.]+"', 'time="<elapsed>"', content)  # JUnit's wall time
                 (directory / f"{name}.{produced.name}").write_text(content, encoding="utf-8")
             shutil.rmtree(files)
             print(f"{name}: exit {code}", file=sys.stderr)
@@ -133,7 +135,8 @@ def diff(before: Path, after: Path) -> int:
         b = (after / name).read_text(encoding="utf-8").splitlines() if (after / name).exists() else []
         if a != b:
             changed += 1
-            sys.stdout.writelines(line + "\n" for line in list(difflib.unified_diff(a, b, name, name, lineterm=""))[:60])
+            lines = list(difflib.unified_diff(a, b, name, name, lineterm=""))
+            sys.stdout.writelines(line + "\n" for line in lines[:60])
     print(f"{changed} of {len(names)} outputs differ", file=sys.stderr)
     return 1 if changed else 0
 

@@ -22,7 +22,7 @@ from grpo_cli.errors import EXIT_ERROR, GrpoCliError, UsageError
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from grpo_cli.analysis import AnalysisResult
+    from grpo_cli.engine.run import AnalysisResult
 
 app = typer.Typer(
     name="grpo-cli",
@@ -44,7 +44,7 @@ class OutputFormat(str, enum.Enum):
 
 
 class InvalidPolicy(str, enum.Enum):
-    """``--on-invalid`` (the library's ``grpo_cli.io.validate.OnInvalid``, kept here so the CLI imports no torch)."""
+    """``--on-invalid`` (``grpo_cli.engine.config.OnInvalid``, repeated so that ``--help`` imports no torch)."""
 
     error = "error"
     skip = "skip"
@@ -105,7 +105,7 @@ WorkersOpt = Annotated[
 
 
 class NamesChoice(str, enum.Enum):
-    """``--names``: ``grpo_cli.names.FRAMEWORKS`` plus grpo-cli's own (listed here so ``--help`` imports no torch)."""
+    """``--names``: ``grpo_cli.metrics.names.FRAMEWORKS`` plus grpo-cli's own (so ``--help`` imports no torch)."""
 
     grpo_cli = "grpo-cli"
     areal = "areal"
@@ -170,7 +170,7 @@ def _progress(total: int, quiet: bool) -> Iterator[Callable[[int], None] | None]
         return
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from grpo_cli.render import make_console
+    from grpo_cli.render.console import make_console
 
     with Progress(
         TextColumn("reading"),
@@ -187,7 +187,7 @@ def _progress(total: int, quiet: bool) -> Iterator[Callable[[int], None] | None]
 def _workers(workers: int | None, device: Device = Device.cpu) -> int:
     """``--workers``: the available cores by default; one per torchrun rank (each rank is a process) and with
     ``--device cuda`` (one process drives the GPU while a thread decodes ahead)."""
-    from grpo_cli.parallel import available_cores, distributed_env
+    from grpo_cli.engine.parallel import available_cores, distributed_env
 
     if workers is None:
         return 1 if distributed_env() is not None or device is Device.cuda else available_cores()
@@ -207,7 +207,7 @@ def _check_device(device: Device) -> str:
 
 def warn_skipped(metrics: Mapping[str, Any]) -> None:
     """One warning line on stderr when ``--on-invalid skip`` dropped sequences (every command calls this)."""
-    from grpo_cli.io.validate import skipped_warning
+    from grpo_cli.engine.validate import skipped_warning
 
     warning = skipped_warning(metrics)
     if warning is not None:
@@ -291,11 +291,12 @@ def analyze(
     quiet: QuietOpt = False,
 ) -> None:
     """Every diagnostic of a rollout dump, streamed in one pass."""
-    from grpo_cli.analysis import AnalyzeConfig
-    from grpo_cli.analysis import analyze as run_analysis
+    from grpo_cli.commands.analyze import AnalyzeConfig
+    from grpo_cli.commands.analyze import analyze as run_analysis
     from grpo_cli.io.presets import open_dataset
     from grpo_cli.io.schema import parse_column_map
-    from grpo_cli.render import json_document, render_group_table, render_table, to_csv
+    from grpo_cli.render.documents import json_document, to_csv
+    from grpo_cli.render.tables import render_group_table, render_table
 
     config = AnalyzeConfig(
         epsilon=epsilon,
@@ -334,7 +335,7 @@ def analyze(
     with _progress(dataset.n_tokens, quiet) as progress:
         result = run_analysis(dataset, config, progress=progress, workers=_workers(workers, device))
     warn_skipped(result.metrics)
-    from grpo_cli.names import rename_result
+    from grpo_cli.metrics.names import rename_result
 
     result, labels = rename_result(result, names.value)
     selected = _select_metrics(metric_names, result, defaults=[
@@ -389,7 +390,8 @@ def _report(
     table: Callable[[Console], None],
 ) -> None:
     """Render one result in the chosen format to stdout or ``--output`` (every command's last step)."""
-    from grpo_cli.render import dumps_json, make_console
+    from grpo_cli.render.console import make_console
+    from grpo_cli.render.documents import dumps_json
 
     if _secondary_rank():
         return  # under torchrun only rank 0 writes the report
@@ -458,13 +460,13 @@ def compare_prox(
     Rejection sampling is off unless an --rs-* option is given (the others then take AReaL's defaults:
     token, mask, ratio, mean, upper 5).
     """
-    from grpo_cli.compare_prox import CompareProxConfig
-    from grpo_cli.compare_prox import compare_prox as run_compare
+    from grpo_cli.commands.compare_prox import CompareProxConfig
+    from grpo_cli.commands.compare_prox import compare_prox as run_compare
     from grpo_cli.core.prox import PROX_APPROX_METHODS
     from grpo_cli.io.presets import open_dataset
     from grpo_cli.io.schema import parse_column_map
-    from grpo_cli.render import json_document, to_csv
-    from grpo_cli.render_prox import render_compare_prox_table
+    from grpo_cli.render.documents import json_document, to_csv
+    from grpo_cli.render.prox import render_compare_prox_table
 
     chosen = [m.value for m in method or [ProxMethod.all]]
     methods = PROX_APPROX_METHODS if "all" in chosen else tuple(dict.fromkeys(chosen))
@@ -496,7 +498,7 @@ def compare_prox(
     with _progress(dataset.n_tokens, quiet) as progress:
         result = run_compare(dataset, config, progress=progress, workers=_workers(workers, device))
     warn_skipped(result.metrics)
-    from grpo_cli.names import rename_result
+    from grpo_cli.metrics.names import rename_result
 
     result, labels = rename_result(result, names.value)
     extra: dict[str, Any] = {"columns": result.columns, "recommendations": result.recommendations}
@@ -505,7 +507,7 @@ def compare_prox(
 
     def draw(console: Console) -> None:
         if labels:  # renamed keys: the plain sectioned table (the side-by-side layout needs grpo-cli's keys)
-            from grpo_cli.render import render_table
+            from grpo_cli.render.tables import render_table
 
             render_table(console, title="grpo-cli compare-prox", metrics=result.metrics, omitted=result.omitted,
                          inputs=result.inputs, config=result.config, sources=labels)
@@ -581,13 +583,13 @@ def check(
     import os
     import time
 
-    from grpo_cli.check import RuleSet, analyze_config, load_baseline, load_rules, run_check
-    from grpo_cli.check import preset as rule_preset
-    from grpo_cli.check_report import check_document, github_commands, junit_xml, markdown_summary, render_check_table
+    from grpo_cli.commands.check import RuleSet, analyze_config, load_baseline, load_rules, run_check
+    from grpo_cli.commands.check import preset as rule_preset
     from grpo_cli.errors import CheckFailed
     from grpo_cli.io.presets import open_dataset
     from grpo_cli.io.schema import parse_column_map
-    from grpo_cli.render import dumps_json
+    from grpo_cli.render.check import check_document, github_commands, junit_xml, markdown_summary, render_check_table
+    from grpo_cli.render.documents import dumps_json
 
     if not rules and rules_preset is None and save_baseline is None:
         raise UsageError("check needs --rules FILE or --rules-preset sanity (or only --save-baseline PATH to "
@@ -688,15 +690,16 @@ def report(
 ) -> None:
     """One self-contained offline HTML page: per-step trends, distributions, staleness, compare-prox and the
     `check --rules-preset sanity` verdict (docs/report.md). Exit 0 whatever the verdicts say."""
-    from grpo_cli.check import load_rules
-    from grpo_cli.check import preset as rule_preset
+    from grpo_cli.commands.check import load_rules
+    from grpo_cli.commands.check import preset as rule_preset
+    from grpo_cli.commands.report import build_report, report_configs
     from grpo_cli.io.presets import open_dataset
     from grpo_cli.io.schema import parse_column_map
-    from grpo_cli.report import build_report, render_html, report_configs
+    from grpo_cli.render.html import render_html
 
     rule_sets = [("sanity", rule_preset("sanity"))]
     if rules:
-        from grpo_cli.check import RuleSet
+        from grpo_cli.commands.check import RuleSet
 
         merged = RuleSet()
         for path in rules:
@@ -736,7 +739,7 @@ def schema(
 ) -> None:
     """Print rollout schema v1 (columns, kinds, meanings) and, with --preset, a framework's column map."""
     from grpo_cli.io.presets import describe, format_description
-    from grpo_cli.render import dumps_json
+    from grpo_cli.render.documents import dumps_json
 
     doc = describe(preset.value if preset is not None else None)
     if output_format is OutputFormat.csv:
@@ -773,7 +776,7 @@ def convert(
     quiet: QuietOpt = False,
 ) -> None:
     """Convert slime debug dumps, torch.save'd tensor dicts or JSON lines into schema-v1 Parquet part files."""
-    from grpo_cli.io.convert import convert as run_convert
+    from grpo_cli.commands.convert import convert as run_convert
     from grpo_cli.io.schema import parse_column_map
 
     result = run_convert(
@@ -879,12 +882,12 @@ def advantages(
     quiet: QuietOpt = False,
 ) -> None:
     """Recompute advantages from the rewards and compare them with the dump's (exit 1 with --fail-on-mismatch)."""
-    from grpo_cli.advantages_check import AdvantageCheckConfig, check_advantages, parse_norm_spec
+    from grpo_cli.commands.advantages import AdvantageCheckConfig, check_advantages, parse_norm_spec
     from grpo_cli.errors import CheckFailed
     from grpo_cli.io.reader import RolloutDataset
     from grpo_cli.io.schema import parse_column_map
-    from grpo_cli.render import json_document, to_csv
-    from grpo_cli.render_advantages import render_advantages_table
+    from grpo_cli.render.advantages import render_advantages_table
+    from grpo_cli.render.documents import json_document, to_csv
 
     config = AdvantageCheckConfig(
         estimator=estimator.value,
@@ -940,7 +943,7 @@ def sample(
     quiet: QuietOpt = False,
 ) -> None:
     """Write rollouts from a real tiny asynchronous GRPO run (CPU, under a minute)."""
-    from grpo_cli.sample import write_sample
+    from grpo_cli.commands.sample import write_sample
 
     try:
         write_sample(out, seed=seed)

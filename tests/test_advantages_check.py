@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from grpo_cli.advantages_check import parse_norm_spec
 from grpo_cli.cli import main
+from grpo_cli.commands.advantages import parse_norm_spec
 from grpo_cli.core import NormConfig, normalize
 from grpo_cli.core.adv_check import (
     StreamingNormalization,

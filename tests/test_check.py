@@ -17,7 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 from reference import Seq, policy_reference, random_sequences, write_sequences
 
-from grpo_cli.check import (
+from grpo_cli.cli import main
+from grpo_cli.commands.check import (
     Baseline,
     Rule,
     Severity,
@@ -26,7 +27,6 @@ from grpo_cli.check import (
     parse_rules,
     sanity_figures,
 )
-from grpo_cli.cli import main
 from grpo_cli.errors import UsageError
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data"

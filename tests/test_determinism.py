@@ -24,10 +24,11 @@ import pytest
 import torch
 from reference import random_sequences, write_sequences
 
-from grpo_cli.analysis import AnalyzeConfig, accumulate_states, default_groups
 from grpo_cli.cli import main
 from grpo_cli.core.state import MetricState, Reduce, count
+from grpo_cli.engine.runner import accumulate_states
 from grpo_cli.io import RolloutDataset
+from grpo_cli.metrics import AnalyzeConfig, default_groups
 
 REL, ABS = 1e-12, 1e-14
 

@@ -1,4 +1,4 @@
-"""``torchrun``: two gloo ranks on CPU give the report of one process (grpo_cli.parallel).
+"""``torchrun``: two gloo ranks on CPU give the report of one process (grpo_cli.engine.parallel).
 
 One launch (``python -m torch.distributed.run``, 2 processes, rendezvous on a free port of 127.0.0.1) runs three
 commands through ``tests/distributed_job.py``: ``analyze --group-by step`` (keys unioned across ranks),

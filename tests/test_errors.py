@@ -387,12 +387,12 @@ def test_token_layout_error_names_the_token_row(capsys, tmp_path):
 
 
 def test_internal_error_is_one_line_unless_debug(capsys, tmp_path, monkeypatch):
-    import grpo_cli.analysis
+    import grpo_cli.commands.analyze
 
     def boom(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(grpo_cli.analysis, "analyze", boom)
+    monkeypatch.setattr(grpo_cli.commands.analyze, "analyze", boom)
     path = _write(tmp_path, "d.parquet", seqs(3))
     code, out, err = run(capsys, "analyze", path)
     assert code == 2 and out == ""
@@ -419,7 +419,7 @@ def test_python_m_entry_point_never_shows_a_traceback(tmp_path):
     # interpreter for both, to spare a torch import: each run ends in the SystemExit that would end the process).
     path = _write(tmp_path, "d.parquet", seqs(3))
     inject = (
-        "import runpy, sys, grpo_cli.analysis as a\n"
+        "import runpy, sys, grpo_cli.commands.analyze as a\n"
         "a.analyze = lambda *x, **k: 1 / 0\n"
         "path = sys.argv[1]\n"
         "for extra in ([], ['--debug']):\n"

@@ -9,9 +9,9 @@ import torch
 from reference import random_sequences, write_sequences
 
 from grpo_cli.cli import main
+from grpo_cli.core.loss_objects import BNPOLoss, CISPOLoss, DRGRPOLoss, GRPOLoss, GSPOLoss, SAPOLoss
 from grpo_cli.core.ppo import ppo_actor_loss, ppo_actor_loss_terms
 from grpo_cli.core.rejection import RejectionSamplingConfig
-from grpo_cli.loss import BNPOLoss, CISPOLoss, DRGRPOLoss, GRPOLoss, GSPOLoss, SAPOLoss
 
 
 def _padded(seqs, attr, fill=0.0):

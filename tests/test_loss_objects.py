@@ -1,4 +1,4 @@
-"""Tests for grpo_cli.loss (seed 001's loss objects) and the packed core grpo_family_loss_terms."""
+"""Tests for grpo_cli.core.loss_objects (seed 001's loss objects) and the packed core grpo_family_loss_terms."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grpo_cli.core import grpo_family_loss_terms
-from grpo_cli.loss import BNPOLoss, CISPOLoss, DRGRPOLoss, GRPOLoss, GSPOLoss, SAPOLoss
+from grpo_cli.core.loss_objects import BNPOLoss, CISPOLoss, DRGRPOLoss, GRPOLoss, GSPOLoss, SAPOLoss
 
 LN = math.log
 F64 = torch.float64

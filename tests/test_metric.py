@@ -8,7 +8,7 @@ import pytest
 import torch
 from reference import policy_reference, random_sequences
 
-from grpo_cli.metric import CISPOMetric, GRPOMetric, GSPOMetric
+from grpo_cli.core.metric import CISPOMetric, GRPOMetric, GSPOMetric
 
 
 def _padded(seqs, device="cpu"):

@@ -1,7 +1,7 @@
 """`--names areal|verl|trl|twinkle` against the tables in docs/metrics.md, and the AReaL actor statistics.
 
 The name tables are parsed from the Markdown (not imported twice from the code), so the documentation and
-`grpo_cli.names` cannot drift apart. Figures of the new AReaL statistics are derived by hand in the comments.
+`grpo_cli.metrics.names` cannot drift apart. Figures of the new AReaL statistics are derived by hand in the comments.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 from reference import random_sequences, write_sequences
 
 from grpo_cli.cli import main
-from grpo_cli.keys import KEYS
-from grpo_cli.names import FRAMEWORKS, NAMES, rename_metrics
+from grpo_cli.metrics.keys import KEYS
+from grpo_cli.metrics.names import FRAMEWORKS, NAMES, rename_metrics
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 TRANSFORM_CELLS = {"=": "", "−x": "neg", "x²": "square"}

@@ -16,16 +16,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from grpo_cli.areal_groups import _first_valid_positions
 from grpo_cli.core import histogram as H
 from grpo_cli.core.actor_stats import actor_stats_state, actor_stats_update
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.grpo_family import GRPO_VARIANTS, grpo_family_loss_terms, grpo_family_valid_terms
 from grpo_cli.core.packing import cu_seqlens_from_lengths, segment_ids, segment_sum
 from grpo_cli.core.staleness import lag_bin_sums
-from grpo_cli.io.validate import BatchValidator
-from grpo_cli.parallel import one_torch_thread
-from grpo_cli.streaming import prefetch, streamed
+from grpo_cli.engine.parallel import one_torch_thread
+from grpo_cli.engine.stream import prefetch, streamed
+from grpo_cli.engine.validate import BatchValidator
+from grpo_cli.metrics.actor import _first_valid_positions
 
 
 def packed(lengths: list[int], *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"):

@@ -21,10 +21,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grpo_cli.analysis import AnalyzeConfig, default_groups
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.state import MetricState, Reduce
-from grpo_cli.io.validate import BatchValidator, ValidationGroup
+from grpo_cli.engine.validate import BatchValidator, ValidationGroup
+from grpo_cli.metrics import AnalyzeConfig, default_groups
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -11,7 +11,7 @@ import grpo_cli
 def test_every_exported_name_resolves():
     for name in grpo_cli.__all__:
         assert getattr(grpo_cli, name) is not None, name
-    assert grpo_cli.GRPOMetric.__module__ == "grpo_cli.metric"
+    assert grpo_cli.GRPOMetric.__module__ == "grpo_cli.core.metric"
     assert grpo_cli.RolloutWriter.__name__ == "RolloutWriter"
 
 

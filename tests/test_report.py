@@ -283,7 +283,7 @@ def test_analyze_does_not_import_matplotlib_or_jinja2(tmp_path):
         f"code = main({args!r})\n"
         "heavy = sorted(m for m in ('matplotlib', 'jinja2') if m in sys.modules)\n"
         "print(code, heavy)\n"
-        "import grpo_cli.report\n"  # the package itself stays light too: its imports are lazy
+        "import grpo_cli.render, grpo_cli.commands.report\n"  # the packages stay light too: their imports are lazy
         "print(sorted(m for m in ('matplotlib', 'jinja2') if m in sys.modules))\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)

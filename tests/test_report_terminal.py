@@ -10,14 +10,8 @@ import pytest
 from reference import random_sequences, write_sequences
 
 from grpo_cli.cli import main
-from grpo_cli.render import (
-    distribution_rows,
-    downsample,
-    make_console,
-    render_distributions,
-    render_trends,
-    trend_sparkline,
-)
+from grpo_cli.render.console import make_console
+from grpo_cli.render.terminal import distribution_rows, downsample, render_distributions, render_trends, trend_sparkline
 
 
 def recorded(draw, width: int = 100) -> str:

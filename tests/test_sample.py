@@ -1,4 +1,4 @@
-"""Tests for grpo_cli.sample: the tiny asynchronous GRPO run behind `grpo-cli sample` and sample_data/.
+"""Tests for grpo_cli.commands.sample: the tiny asynchronous GRPO run behind `grpo-cli sample` and sample_data/.
 
 Every property is checked from the table's own columns with independent plain-Python recomputations (the
 reward, the group normalisation, the staleness), never by calling the module's helpers.
@@ -17,13 +17,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from grpo_cli.sample import SAMPLE_SCHEMA, generate_sample, write_sample
+from grpo_cli.commands.sample import SAMPLE_SCHEMA, generate_sample, write_sample
 
 COMMITTED = Path(__file__).resolve().parents[1] / "sample_data" / "rollouts.parquet"
 TINY = {"steps": 7, "prompts_per_step": 3, "group_size": 4}
 LOGP_COLUMNS = ("new_logp", "old_logp", "prox_logp", "ref_logp")
 PER_TOKEN = ("input_ids", *LOGP_COLUMNS, "entropy", "loss_mask", "versions")
-# Token ids of the toy task (documented in grpo_cli.sample): digits 0..5, BOS 6, SEP 7, EOS 8.
+# Token ids of the toy task (documented in grpo_cli.commands.sample): digits 0..5, BOS 6, SEP 7, EOS 8.
 N_DIGITS, BOS, SEP, EOS = 6, 6, 7, 8
 
 

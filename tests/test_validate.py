@@ -1,4 +1,4 @@
-"""The validation layer (grpo_cli.io.validate): every rule, its boundary, the error location and the skip policy."""
+"""The validation layer (grpo_cli.engine.validate): every rule, its boundary, the error location and the skip policy."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from grpo_cli.core.batch import TokenBatch
-from grpo_cli.errors import InputError
-from grpo_cli.io.validate import (
+from grpo_cli.engine.validate import (
     CHECKS,
     LOGP_TOLERANCE,
     BatchValidator,
@@ -18,7 +17,8 @@ from grpo_cli.io.validate import (
     validation_compute,
     validation_state,
 )
-from grpo_cli.keys import KEYS
+from grpo_cli.errors import InputError
+from grpo_cli.metrics.keys import KEYS
 
 NAN, INF = math.nan, math.inf
 

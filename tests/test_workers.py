@@ -1,4 +1,4 @@
-"""``--workers``: (file, row-group) units in worker processes, merged exactly (grpo_cli.parallel).
+"""``--workers``: (file, row-group) units in worker processes, merged exactly (grpo_cli.engine.parallel).
 
 The figures of ``--workers N`` must be the *same bytes* as ``--workers 1``: units are planned from the metadata and
 merged in unit order whoever computed them. Every dump here has many small row groups and runs with a tiny
@@ -16,11 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 from reference import random_sequences, write_sequences
 
-from grpo_cli.analysis import AnalyzeConfig, CountsGroup, accumulate_states, analyze, default_groups, finalize
 from grpo_cli.cli import main
-from grpo_cli.errors import GrpoCliError, InputError
-from grpo_cli.io.reader import RolloutDataset, Shard
-from grpo_cli.parallel import (
+from grpo_cli.commands.analyze import analyze
+from grpo_cli.engine.parallel import (
     MAX_COMPUTE_THREADS,
     UNIT_BATCHES,
     accumulate,
@@ -29,6 +27,12 @@ from grpo_cli.parallel import (
     plan_units,
     split_by_bytes,
 )
+from grpo_cli.engine.run import finalize
+from grpo_cli.engine.runner import accumulate_states
+from grpo_cli.errors import GrpoCliError, InputError
+from grpo_cli.io.reader import RolloutDataset, Shard
+from grpo_cli.metrics import AnalyzeConfig, default_groups
+from grpo_cli.metrics.policy import CountsGroup
 
 BATCH = 40  # tokens per batch → units of UNIT_BATCHES * 40 tokens: several per dump
 
@@ -209,7 +213,7 @@ class _Sleeps(CountsGroup):
 
 @pytest.mark.parametrize(("costs", "threaded"), [((0.02, 0.02, 0.02), True), ((0.04, 0.001, 0.001), False)])
 def test_metric_threads_are_kept_only_when_the_work_can_be_spread(dump, costs, threaded):
-    from grpo_cli.analysis import _GroupRunner
+    from grpo_cli.engine.runner import _GroupRunner
 
     groups = [_Sleeps(f"g{i}", c) for i, c in enumerate(costs)]
     config = AnalyzeConfig(batch_tokens=BATCH)

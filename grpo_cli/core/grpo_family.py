@@ -2,7 +2,7 @@
 
 One core function, :func:`grpo_family_loss_terms`, computes ``(numerator, denominator)`` for a batch of
 packed tokens; the loss is ``Σ numerator / Σ denominator`` over any split of the data into batches of whole
-sequences. The loss objects in :mod:`grpo_cli.loss` call it after aligning twinkle-style inputs.
+sequences. The loss objects in :mod:`grpo_cli.core.loss_objects` call it after aligning twinkle-style inputs.
 Conventions follow twinkle (``shared/reference/twinkle.md`` §2–3) and TRL; see ``docs/losses.md``.
 """
 

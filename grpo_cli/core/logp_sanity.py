@@ -1,6 +1,6 @@
 """What a sane log-probability is: finite and ≤ 0 (``log p`` with ``0 < p ≤ 1``), up to float rounding.
 
-The validation layer (:mod:`grpo_cli.io.validate`) enforces this at every valid token of every log-prob column;
+The validation layer (:mod:`grpo_cli.engine.validate`) enforces this at every valid token of every log-prob column;
 ``grpo-cli check`` gates on the counts it reports (``sanity/n_nonfinite_logp``, ``sanity/n_positive_logp``).
 Both read these definitions, so they can never disagree.
 """

@@ -20,9 +20,9 @@ Every ``.pt`` file is loaded with ``torch.load(weights_only=True)`` plus an expl
 reconstruction helpers; anything else in the pickle (a class, a function) is refused with an
 :class:`~grpo_cli.errors.InputError` naming it — never an unsafe unpickle. Converters stream: one source file
 (one rollout) at a time, padded tensors in row chunks, JSON lines in token-budgeted chunks, and write through
-:class:`~grpo_cli.io.writer.RolloutWriter`. The result is checked with ``analyze``'s rules (``io/validate.py``):
-under ``--on-invalid error`` (the default) an invalid value removes what was written and exits 2; under ``skip``
-the data is kept and the offending sequences are counted in a note.
+:class:`~grpo_cli.io.writer.RolloutWriter`. The result is checked by a ``check`` callable the command supplies
+(``grpo_cli.commands.convert``: ``analyze``'s validation; under ``--on-invalid error``, the default, an invalid
+value removes what was written and exits 2; under ``skip`` the data is kept and the offenders are counted in a note).
 
 How slime's keys map (``dumps.md`` §5, §9): ``log_probs`` (the actor's recompute with the pre-update weights, i.e.
 the weights of the step's first training forward) → ``new_logp``; the per-update new log-prob is never dumped, and
@@ -42,7 +42,7 @@ import os
 import re
 import warnings
 import zipfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,7 @@ from grpo_cli.io.presets import PRESETS, Preset, open_dataset, resolve_column_ma
 from grpo_cli.io.schema import COLUMNS, Layout
 from grpo_cli.io.writer import TOKEN_INPUTS, RolloutWriter, fast_write_options
 
-__all__ = ["FORMATS", "ConvertResult", "convert", "optimize_dump", "safe_torch_load"]
+__all__ = ["FORMATS", "Check", "ConvertResult", "convert", "optimize_dump", "safe_torch_load"]
 
 FORMATS = ("slime-train", "slime-rollout", "torch-dict", "jsonl")
 _CHUNK_TOKENS = 1 << 20
@@ -644,32 +644,20 @@ def _jsonl_inputs(
 
 
 # -- validation ---------------------------------------------------------------------------------------------------
-def _validate(dataset: Any, on_invalid: str, result: ConvertResult, what: str) -> None:
-    """One pass with analyze's value checks (``io/validate.py``): ``error`` raises on the first offender;
-    ``skip`` only counts offenders into a note (analyze them later with ``--on-invalid skip``)."""
-    from grpo_cli.io.validate import BatchValidator, validation_compute, validation_state
-
-    validator = BatchValidator.for_dataset(dataset, on_invalid)
-    state = validation_state() if validator.on_invalid.value == "skip" else None
-    for batch in dataset.iter_batches(batch_tokens=_CHUNK_TOKENS, raw_mask=True):
-        validator(batch, state)
-    if state is not None:
-        counts = validation_compute(state)
-        if counts["invalid/n_sequences_skipped"]:
-            reasons = ", ".join(f"{k.split('/', 1)[1]} {v}" for k, v in counts.items()
-                                if v and k not in ("invalid/n_sequences_skipped", "invalid/n_tokens_skipped"))
-            result.notes.append(f"{what}: {counts['invalid/n_sequences_skipped']} sequences hold invalid values "
-                                f"({reasons}); kept — analyze them with --on-invalid skip")
+Check = Callable[[Any, "ConvertResult", str], None]
+"""``check(dataset, result, what)``: the value checks run on a dump before it is rewritten (``optimize``) or on
+what a converter wrote; it raises :class:`~grpo_cli.errors.InputError` to refuse the data, or adds notes to
+``result``. The command layer supplies it (``grpo_cli.commands.convert``: ``analyze``'s validation)."""
 
 
-def _validate_written(result: ConvertResult, on_invalid: str) -> None:
-    """Validate what a converter wrote; under ``error`` a failure removes the written files (all or nothing)."""
+def _validate_written(result: ConvertResult, check: Check | None) -> None:
+    """Check what a converter wrote; a refusal removes the written files (all or nothing)."""
     from grpo_cli.io.reader import RolloutDataset
 
-    if not result.files:
+    if not result.files or check is None:
         return
     try:
-        _validate(RolloutDataset(result.files), on_invalid, result, "converted data")
+        check(RolloutDataset(result.files), result, "converted data")
     except InputError as exc:
         for path in result.files:
             path.unlink(missing_ok=True)
@@ -684,12 +672,12 @@ def optimize_dump(
     column_map: Mapping[str, str] | None = None,
     preset: str | None = None,
     row_group_tokens: int = _CHUNK_TOKENS,
-    on_invalid: str = "error",
+    check: Check | None = None,
 ) -> ConvertResult:
     """Re-encode a schema-v1 dump with the writer's fast settings (non-nullable, BYTE_STREAM_SPLIT + zstd).
 
-    The dump is first read once with the same validation as ``analyze`` (``--map``/``--preset`` apply; invalid
-    values stop it under ``on_invalid="error"`` and are counted into a note under ``"skip"``), then each
+    The dump is first read once by ``check`` (``--map``/``--preset`` apply; the command passes ``analyze``'s
+    validation, which stops at invalid values or counts them into a note), then each
     file is streamed into ``out_dir`` under its own relative name, all columns kept, row groups merged to about
     ``row_group_tokens`` tokens, each output file written to a temporary name and renamed when complete.
     """
@@ -698,8 +686,9 @@ def optimize_dump(
     names = _relative_names(sources, dataset.files)
     _check_out_dir(out, dataset.files)
     result = ConvertResult()
-    # Read once with analyze's rules (types, nulls, list lengths, values) before anything is written.
-    _validate(dataset, on_invalid, result, "the dump")
+    # Read once with the checks (types, nulls, list lengths, values) before anything is written.
+    if check is not None:
+        check(dataset, result, "the dump")
     token_layout = dataset.layout is Layout.TOKEN_PER_ROW
     schema_columns = {dataset.column_map.get(c, c) for c in dataset.columns}
     for path, name in zip(dataset.files, names):
@@ -800,13 +789,12 @@ def convert(
     column_map: Mapping[str, str] | None = None,
     preset: str | None = None,
     metadata: Mapping[str, Any] | None = None,
-    on_invalid: str = "error",
+    check: Check | None = None,
 ) -> ConvertResult:
     """Convert ``sources`` into schema-v1 part files in ``out_dir`` (see the module docstring).
 
-    The result is read back once with ``analyze``'s value checks: under ``on_invalid="error"`` an invalid value
-    (NaN or positive log-prob at a valid token, a mask that is not 0/1, …) removes what was written and raises;
-    under ``"skip"`` the data is kept and the offenders are counted in ``notes``.
+    The result is read back once by ``check`` (the command passes ``analyze``'s value checks): a refusal removes
+    what was written and raises; otherwise the data is kept and ``check`` may add notes.
 
     Raises:
         UsageError: bad option combinations, a non-empty output directory.
@@ -820,7 +808,7 @@ def convert(
             raise UsageError(f"give --from FORMAT ({', '.join(FORMATS)}) or --optimize")
         if join:
             raise UsageError("--join applies to --from slime-train/slime-rollout")
-        return optimize_dump(sources, out, column_map=column_map, preset=preset, on_invalid=on_invalid)
+        return optimize_dump(sources, out, column_map=column_map, preset=preset, check=check)
     if source_format not in FORMATS:
         raise UsageError(f"--from: unknown format '{source_format}' (known: {', '.join(FORMATS)})")
     if join and not source_format.startswith("slime"):
@@ -861,5 +849,5 @@ def convert(
         _convert_jsonl(files, out, result, column_map, chosen, meta)
     if not result.files:
         raise InputError("no sequences found in the sources", file=str(sources[0]))
-    _validate_written(result, on_invalid)
+    _validate_written(result, check)
     return result

@@ -211,7 +211,7 @@ class RolloutDataset:
             batch_tokens: token budget per batch.
             shards: the work units to read (default: all, in file and row-group order).
             raw_mask: keep an integer ``loss_mask`` column's values as read (its own dtype, also through the
-                transforms) instead of ``!= 0``, so that :class:`grpo_cli.io.validate.BatchValidator` can reject
+                transforms) instead of ``!= 0``, so that :class:`grpo_cli.engine.validate.BatchValidator` can reject
                 values other than 0/1; the validator then makes it the bool mask every consumer expects.
         """
         if batch_tokens < 1:

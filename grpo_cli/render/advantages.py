@@ -8,12 +8,13 @@ from typing import TYPE_CHECKING
 from rich.table import Table
 from rich.text import Text
 
-from grpo_cli.render import format_value, render_table
+from grpo_cli._format import format_value
+from grpo_cli.render.tables import render_table
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from grpo_cli.advantages_check import AdvantageCheckResult
+    from grpo_cli.commands.advantages import AdvantageCheckResult
 
 __all__ = ["render_advantages_table"]
 

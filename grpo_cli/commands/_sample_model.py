@@ -1,4 +1,4 @@
-"""A tiny causal transformer used by :mod:`grpo_cli.sample` to produce real GRPO rollouts.
+"""A tiny causal transformer used by :mod:`grpo_cli.commands.sample` to produce real GRPO rollouts.
 
 Private module: nothing here is part of the public API. The model is deliberately plain (pre-LayerNorm blocks,
 hand-written causal attention, learned absolute positions, tied nothing) so that the same module runs in

@@ -40,7 +40,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from grpo_cli.analysis import GROUP_BY_COLUMNS as PER_COLUMNS  # the columns `analyze --group-by` accepts
+from grpo_cli.engine.config import GROUP_BY_COLUMNS as PER_COLUMNS  # the columns `analyze --group-by` accepts
 from grpo_cli.errors import EXIT_CHECK_FAILED, EXIT_OK, InputError, UsageError
 
 if sys.version_info >= (3, 11):
@@ -49,8 +49,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 if TYPE_CHECKING:
-    from grpo_cli.analysis import AnalyzeConfig
     from grpo_cli.io.reader import RolloutDataset
+    from grpo_cli.metrics.config import AnalyzeConfig
 
 __all__ = [
     "compare_prox_config",
@@ -182,7 +182,7 @@ class Rule:
 
     @property
     def is_prox(self) -> bool:
-        """A ``compare-prox`` key (computed by :func:`grpo_cli.compare_prox.compare_prox`)."""
+        """A ``compare-prox`` key (computed by :func:`grpo_cli.commands.compare_prox.compare_prox`)."""
         return self.metric.startswith("prox/")
 
     def bounds_json(self) -> dict[str, float]:
@@ -366,14 +366,14 @@ def analyze_config(rule_set: RuleSet, *, all_figures: bool = False, **overrides:
         :func:`valid_input_rule`; an explicit ``skip`` accepts dropped sequences, an explicit ``error`` stops at the
         first invalid value (exit 2).
     """
-    from grpo_cli.analysis import AnalyzeConfig
+    from grpo_cli.metrics.config import AnalyzeConfig
 
     values = _coerce_options("analyze", rule_set.analyze, AnalyzeConfig)
     values.update({key: value for key, value in overrides.items() if value is not None})
     require_valid = "on_invalid" not in values
     values.setdefault("on_invalid", "skip")
     if not all_figures and "losses" not in values:
-        from grpo_cli.keys import KEYS
+        from grpo_cli.metrics.keys import KEYS
 
         # Unknown names are left to run_check, which lists close matches.
         named = {r.metric.split("/", 1)[1] for r in rule_set.rules if r.metric.startswith("loss/") and r.metric in KEYS}
@@ -425,19 +425,19 @@ def sanity_figures(metrics: Mapping[str, Any]) -> dict[str, int]:
 
 
 def _compare_prox_module() -> ModuleType | None:
-    """``grpo_cli.compare_prox`` when this build has it (imported lazily: it is only needed for ``prox/…`` rules)."""
+    """``grpo_cli.commands.compare_prox`` when this build has it (imported lazily: only ``prox/…`` rules need it)."""
     try:
-        import grpo_cli.compare_prox as module
+        import grpo_cli.commands.compare_prox as module
     except ModuleNotFoundError as exc:
-        if exc.name != "grpo_cli.compare_prox":
+        if exc.name != "grpo_cli.commands.compare_prox":
             raise
         return None
     return module
 
 
 def known_metrics() -> set[str]:
-    """Every key a rule may name: the documented keys (``grpo_cli.keys``) and every ``compare-prox`` key."""
-    from grpo_cli.keys import KEYS
+    """Every key a rule may name: the documented keys (``grpo_cli.metrics.keys``) and every ``compare-prox`` key."""
+    from grpo_cli.metrics.keys import KEYS
 
     known = set(KEYS)
     module = _compare_prox_module()
@@ -505,8 +505,8 @@ def load_baseline(path: str | Path) -> Baseline:
 
 
 def fmt(value: Any) -> str:
-    """Numbers as reports show them (``grpo_cli.render.format_value``, without thousands separators)."""
-    from grpo_cli.render import format_value
+    """Numbers as reports show them (``grpo_cli._format.format_value``, without thousands separators)."""
+    from grpo_cli._format import format_value
 
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
@@ -657,7 +657,7 @@ def evaluate_rule(
     omitted: Mapping[str, str] | None = None,
 ) -> RuleResult:
     """Evaluate one rule against overall ``metrics`` or, with ``rule.per``, against ``groups[rule.per]``
-    (``[{"key": k, "metrics": {...}}, ...]`` as :class:`~grpo_cli.analysis.AnalysisResult.groups`).
+    (``[{"key": k, "metrics": {...}}, ...]`` as :class:`~grpo_cli.engine.run.AnalysisResult.groups`).
 
     A metric the figures lack gives ``skipped`` for an ``optional`` rule and raises :class:`UsageError` (exit 2)
     otherwise, with the reason from ``omitted``.
@@ -815,7 +815,7 @@ def compare_prox_config(
     the analyze config, so both passes define figures alike; the rules' ``[compare_prox]`` table sets the rest and
     may override them; ``methods`` / ``tolerance`` (command line) override both.
     """
-    from grpo_cli.compare_prox import CompareProxConfig
+    from grpo_cli.commands.compare_prox import CompareProxConfig
 
     shared = {f.name for f in fields(CompareProxConfig)} - {"methods", "tolerance"}
     values = {f.name: getattr(config, f.name) for f in fields(config) if f.name in shared}
@@ -868,7 +868,7 @@ def run_check(
             provide (non-optional) — all problems of one kind in one message (exit 2).
         InputError: unreadable data, or no valid token at all (exit 2).
     """
-    from grpo_cli.analysis import analyze
+    from grpo_cli.commands.analyze import analyze
 
     rules = rule_set.rules
     validate_rules(rules, dataset, baseline)

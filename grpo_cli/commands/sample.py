@@ -1,6 +1,6 @@
 """Sample rollout data from a real, tiny, asynchronous GRPO run (issue 2 §6).
 
-:func:`generate_sample` trains a tiny causal transformer (:class:`grpo_cli._sample_model.TinyCausalLM`: one
+:func:`generate_sample` trains a tiny causal transformer (:class:`grpo_cli.commands._sample_model.TinyCausalLM`: one
 pre-LN block, d_model 64, 4 heads) from random initial weights with GRPO on a checkable toy task and
 records, for every sequence the trainer consumes, the per-token values that a rollout dump of schema version
 1 carries (``docs/schema.md``). Nothing is drawn from a distribution to *look* like training data: every
@@ -72,7 +72,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from grpo_cli._sample_model import TinyCausalLM
+from grpo_cli.commands._sample_model import TinyCausalLM
 
 __all__ = ["SAMPLE_SCHEMA", "generate_sample", "write_sample"]
 

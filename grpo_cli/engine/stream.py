@@ -1,6 +1,6 @@
 """The streaming pass's plumbing: decode ahead in a thread, pinned host memory and deterministic kernels on CUDA.
 
-:func:`streamed` wraps the reader's batch iterator for :func:`grpo_cli.analysis.accumulate_states`:
+:func:`streamed` wraps the reader's batch iterator for :func:`grpo_cli.engine.runner.accumulate_states`:
 
 - a background thread decodes up to ``depth`` batches ahead (pyarrow releases the GIL while it decodes, and torch
   while it computes), so decoding the next batch overlaps the metric updates on the current one;

@@ -6,21 +6,20 @@ counts, so the figures are the token means over the whole dump (AReaL's engine-l
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.distill import distill_loss_terms
 from grpo_cli.core.state import MetricState, count, total
-
-if TYPE_CHECKING:
-    from grpo_cli.analysis import AnalyzeConfig
+from grpo_cli.engine.group import MetricGroup
+from grpo_cli.metrics.config import AnalyzeConfig
 
 __all__ = ["DistillGroup"]
 
 
-class DistillGroup:
+class DistillGroup(MetricGroup):
     """``kd/rkl_mean`` = mean(new − teacher) and ``loss/kd`` (``--distill-weight`` w_d, ``--rl-weight`` w_rl).
 
     ``loss/kd`` is the term AReaL adds to the RL loss, ``w_d·mean(new − teacher)``; with ``--rl-weight 0`` it is

@@ -1,7 +1,7 @@
-"""The report page: a :class:`~grpo_cli.report.builder.Report` → one self-contained HTML string.
+"""The report page: a :class:`~grpo_cli.commands.report.Report` → one self-contained HTML string.
 
 A Jinja2 template (``templates/report.html.j2``, autoescaped, CSS inlined from ``templates/report.css``) lays out a
-view model built here; the charts are inline SVG (:mod:`grpo_cli.report.charts`); the report's data is embedded as
+view model built here; the charts are inline SVG (:mod:`grpo_cli.render.charts`); the report's data is embedded as
 JSON (``<script type="application/json" id="report-data">``, HTML-escaped, keys sorted) so the page carries its
 own numbers. Nothing refers outside the file and nothing depends on the time or the machine, so the same input
 gives the same bytes.
@@ -16,10 +16,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from grpo_cli import __version__
-from grpo_cli.keys import KEYS, SECTIONS, section_of
-from grpo_cli.render import format_value
-from grpo_cli.report import charts
-from grpo_cli.report.builder import Report, per_step_series
+from grpo_cli._format import format_value
+from grpo_cli.commands.report import Report, per_step_series
+from grpo_cli.metrics.keys import KEYS, SECTIONS, section_of
+from grpo_cli.render import charts
+from grpo_cli.render.documents import analyze_document, compare_prox_document
 
 __all__ = ["DATA_ELEMENT_ID", "TRENDS", "render_html", "report_data"]
 
@@ -53,16 +54,17 @@ HEAT_COLUMNS = (("clip/ratio", "value"), ("kl/k3", "value"), ("is/mean", "dev1")
 def report_data(report: Report) -> dict[str, Any]:
     """The page's embedded data: ``analyze``'s JSON document (its ``groups`` replaced by the columnar scalar
     figures under ``per_step``, to keep the page small), ``compare-prox``'s, and each verdict's rules and summary."""
-    analyze_doc = {k: v for k, v in report.analyze_document.items() if k != "groups"}
+    analyze_doc = {k: v for k, v in analyze_document(report.analysis, preset=report.preset).items() if k != "groups"}
+    prox_doc = None if report.prox is None else compare_prox_document(report.prox)
     data: dict[str, Any] = {
         "analyze": analyze_doc,
         "per_step": None,
-        "compare_prox": report.prox_document,
+        "compare_prox": prox_doc,
         "compare_prox_unavailable": report.prox_unavailable,
         "checks": {},
     }
     if report.group_by is not None:
-        data["per_step"] = {"group_by": report.group_by, **per_step_series(report.analyze_document["groups"])}
+        data["per_step"] = {"group_by": report.group_by, **per_step_series(report.analysis.groups)}
     for label, check in report.checks:
         data["checks"][label] = {"summary": check.summary(), "rules": [r.to_json() for r in check.results]}
     return data
@@ -311,7 +313,7 @@ def render_html(report: Report) -> str:
     import jinja2
 
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader("grpo_cli.report", "templates"),
+        loader=jinja2.PackageLoader("grpo_cli.render", "templates"),
         autoescape=True,
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,

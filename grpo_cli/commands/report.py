@@ -1,13 +1,14 @@
 """What a report shows, computed once: one ``analyze`` pass (per step), one ``compare-prox`` pass, check rules.
 
-The figures come from the library functions the commands use (:func:`grpo_cli.analysis.analyze`,
-:func:`grpo_cli.compare_prox.compare_prox`); the health verdicts evaluate ``check``'s rules
-(:func:`grpo_cli.check.evaluate_rule`) on those same figures instead of streaming the dump again. Only a rule with
-``per`` on a column other than ``step`` needs one more ``analyze`` pass, grouped by that column (as ``check`` does).
+The figures come from the library functions the commands use (:func:`grpo_cli.commands.analyze.analyze`,
+:func:`grpo_cli.commands.compare_prox.compare_prox`); the health verdicts evaluate ``check``'s rules
+(:func:`grpo_cli.commands.check.evaluate_rule`) on those same figures instead of streaming the dump again. Only a
+rule with ``per`` on a column other than ``step`` needs one more ``analyze`` pass, grouped by that column (as
+``check`` does).
 
 Example:
     >>> from grpo_cli.io.reader import RolloutDataset
-    >>> from grpo_cli.check import preset
+    >>> from grpo_cli.commands.check import preset
     >>> rules = [("sanity", preset("sanity"))]
     >>> analyze_config, prox_config, strict = report_configs(rules)  # doctest: +SKIP
     >>> report = build_report(RolloutDataset(["sample_data/rollouts.parquet"]), rules, analyze_config,
@@ -25,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 from grpo_cli.errors import InputError
 
 if TYPE_CHECKING:
-    from grpo_cli.analysis import AnalysisResult, AnalyzeConfig
-    from grpo_cli.check import CheckReport, RuleSet
-    from grpo_cli.compare_prox import CompareProxConfig, CompareProxResult
+    from grpo_cli.commands.check import CheckReport, RuleSet
+    from grpo_cli.commands.compare_prox import CompareProxConfig, CompareProxResult
+    from grpo_cli.engine.run import AnalysisResult
     from grpo_cli.io.reader import RolloutDataset
+    from grpo_cli.metrics.config import AnalyzeConfig
 
 __all__ = ["TREND_GROUP_BY", "Report", "build_report", "evaluate_checks", "per_step_series", "report_configs"]
 
@@ -38,26 +40,24 @@ TREND_GROUP_BY = "step"
 
 @dataclass
 class Report:
-    """Everything the page shows; the HTML is a pure function of it (:func:`grpo_cli.report.render_html`).
+    """Everything the page shows; the HTML is a pure function of it (:func:`grpo_cli.render.html.render_html`).
 
     Attributes:
         analysis: ``analyze``'s result, grouped by :data:`TREND_GROUP_BY` when the dump has that column.
-        analyze_document: exactly what ``analyze --format json`` prints for it (``groups`` included).
         prox: ``compare-prox``'s result (every method), or ``None`` when the dump cannot support it.
-        prox_document: what ``compare-prox --format json`` prints for it.
         prox_unavailable: why ``prox`` is ``None`` (compare-prox's own exit-2 message).
         checks: ``(label, report)`` per rule set: ``sanity`` (always) and ``rules`` (``--rules`` files).
         group_by_unavailable: why there are no per-step figures, or ``None``.
+        preset: the ``--preset`` the dump was read with, or ``None``.
     """
 
     analysis: AnalysisResult
-    analyze_document: dict[str, Any]
     prox: CompareProxResult | None
-    prox_document: dict[str, Any] | None
     prox_unavailable: str | None
     checks: list[tuple[str, CheckReport]]
     tolerance: float
     group_by_unavailable: str | None = None
+    preset: str | None = None
 
     @property
     def group_by(self) -> str | None:
@@ -74,7 +74,8 @@ def report_configs(
     """The ``analyze`` and ``compare-prox`` configs of a report, as ``check`` would choose them.
 
     Defaults, then the rule files' ``[analyze]`` / ``[compare_prox]`` tables, then ``overrides`` (command-line
-    options; ``None`` = not given) — :func:`grpo_cli.check.analyze_config` with every figure on and ``top_k`` kept.
+    options; ``None`` = not given) — :func:`grpo_cli.commands.check.analyze_config` with every figure on and
+    ``top_k`` kept.
     Options both commands share (ε, dual clip, rejection sampling, ``current_version``, ``on_invalid``) go to both
     passes, so their figures are defined alike.
 
@@ -82,7 +83,7 @@ def report_configs(
         The two configs and whether invalid input must fail the verdicts (``on_invalid`` chosen nowhere: invalid
         sequences are skipped and the rule "input passes validation" is added, as in ``check``).
     """
-    from grpo_cli.check import RuleSet, analyze_config, compare_prox_config
+    from grpo_cli.commands.check import RuleSet, analyze_config, compare_prox_config
 
     merged = RuleSet()
     for _, rule_set in rule_sets:
@@ -132,7 +133,7 @@ def evaluate_checks(
     Raises:
         UsageError: unknown metrics or rules on figures the dump cannot provide, as ``check`` (exit 2).
     """
-    from grpo_cli.check import CheckReport, evaluate_rule, sanity_figures, valid_input_rule, validate_rules
+    from grpo_cli.commands.check import CheckReport, evaluate_rule, sanity_figures, valid_input_rule, validate_rules
     from grpo_cli.errors import UsageError
 
     rules = list(rule_set.rules)
@@ -185,23 +186,15 @@ def build_report(
     Raises:
         UsageError, InputError: as ``analyze`` / ``check`` (exit 2).
     """
-    from grpo_cli.analysis import analyze
-    from grpo_cli.compare_prox import check_columns, compare_prox, expected_keys
-    from grpo_cli.render import json_document
+    from grpo_cli.commands.analyze import analyze
+    from grpo_cli.commands.compare_prox import check_columns, compare_prox, expected_keys
 
     group_by = TREND_GROUP_BY if TREND_GROUP_BY in dataset.columns else None
     unavailable = None if group_by else f"the dump has no '{TREND_GROUP_BY}' column (per-step trends need it)"
     analysis = analyze(dataset, replace(analyze_config, group_by=group_by), progress=progress)
-    extra: dict[str, Any] = {"columns": analysis.columns}
-    if preset is not None:
-        extra["preset"] = preset
-    if group_by is not None:
-        extra["groups"] = analysis.groups
-    analyze_document = json_document(command="analyze", inputs=analysis.inputs, config=analysis.config,
-                                     metrics=analysis.metrics, omitted=analysis.omitted, extra=extra)
 
     prox: CompareProxResult | None = None
-    prox_document = prox_unavailable = None
+    prox_unavailable = None
     prox_omitted: dict[str, str] = {}
     try:
         check_columns(dataset, prox_config)
@@ -210,9 +203,6 @@ def build_report(
         prox_omitted = dict.fromkeys(expected_keys(prox_config), exc.reason)
     else:
         prox = compare_prox(dataset, prox_config)
-        prox_extra: dict[str, Any] = {"columns": prox.columns, "recommendations": prox.recommendations}
-        prox_document = json_document(command="compare-prox", inputs=prox.inputs, config=prox.config,
-                                      metrics=prox.metrics, omitted=prox.omitted, extra=prox_extra)
 
     # Rules grouped by a column other than the trends' need that grouping (one pass per column, as check).
     per_columns = {r.per for _, rs in rule_sets for r in rs.rules if r.per is not None and r.per != group_by}
@@ -228,11 +218,10 @@ def build_report(
     ]
     return Report(
         analysis=analysis,
-        analyze_document=analyze_document,
         prox=prox,
-        prox_document=prox_document,
         prox_unavailable=prox_unavailable,
         checks=checks,
         tolerance=prox_config.tolerance,
         group_by_unavailable=unavailable,
+        preset=preset,
     )

@@ -1,7 +1,7 @@
 """The ``compare-prox`` table: methods side by side, staleness lags as rows, one verdict line per method.
 
-Kept next to :mod:`grpo_cli.render` (whose console, number format and "Not computed" conventions it reuses);
-JSON and CSV go through :func:`grpo_cli.render.json_document` / :func:`grpo_cli.render.to_csv` unchanged.
+Kept next to :mod:`grpo_cli.render.tables` (whose console, number format and "Not computed" conventions it reuses);
+JSON and CSV go through :mod:`grpo_cli.render.documents` unchanged.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from grpo_cli.compare_prox import lag_label
-from grpo_cli.keys import PROX_FIGURE_MEANINGS
-from grpo_cli.render import format_value, render_omitted
+from grpo_cli._format import format_value
+from grpo_cli.commands.compare_prox import lag_label
+from grpo_cli.metrics.keys import PROX_FIGURE_MEANINGS
+from grpo_cli.render.tables import render_omitted
 
 __all__ = ["SUMMARY_ROWS", "render_compare_prox_table"]
 
@@ -37,7 +38,7 @@ SUMMARY_ROWS: tuple[str, ...] = (
     "loss_rel_error",
     "max_safe_lag",
 )
-"""The summary table's rows (figures; their meanings come from :data:`grpo_cli.keys.PROX_FIGURE_MEANINGS`)."""
+"""The summary table's rows (figures; their meanings come from :data:`grpo_cli.metrics.keys.PROX_FIGURE_MEANINGS`)."""
 
 
 def _short(value: Any) -> str:

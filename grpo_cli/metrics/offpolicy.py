@@ -7,10 +7,11 @@ listed by :meth:`omitted` with the reason. ``docs/metrics.md`` documents every k
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.histogram import DEFAULT_QUANTILES
 from grpo_cli.core.m2po import m2po_stream_compute, m2po_stream_state, m2po_stream_update
 from grpo_cli.core.offpolicy import (
@@ -30,10 +31,8 @@ from grpo_cli.core.offpolicy import (
 from grpo_cli.core.sequences import sequence_stats_compute, sequence_stats_state, sequence_stats_update
 from grpo_cli.core.staleness import staleness_compute, staleness_state, staleness_update
 from grpo_cli.core.state import MetricState
-
-if TYPE_CHECKING:
-    from grpo_cli.analysis import AnalyzeConfig, MetricGroup
-    from grpo_cli.core.batch import TokenBatch
+from grpo_cli.engine.group import MetricGroup
+from grpo_cli.metrics.config import AnalyzeConfig
 
 __all__ = [
     "DecoupledGroup",
@@ -52,7 +51,7 @@ def _base(valid: TokenBatch) -> torch.Tensor | None:
     return valid.prox_logp if valid.prox_logp is not None else valid.old_logp
 
 
-class KLFamiliesGroup:
+class KLFamiliesGroup(MetricGroup):
     """``kl/k1``, ``kl/k2``, ``kl/abs_diff_*`` and ``kl_ref/*`` (§1). ``kl/k3`` itself is the GRPOMetric family's
     (``PolicyGroup``); with ``--kl-clamp`` this group reports the clamped ``kl/k3`` instead, which replaces it
     because this group runs after ``PolicyGroup``."""
@@ -95,7 +94,7 @@ _BEHAVE_KEYS = ("behave/imp_weight_mean", "behave/imp_weight_min", "behave/imp_w
 _M2PO_KEYS = ("m2po/masked_fraction", "m2po/m2_mean", "m2po/exact")
 
 
-class DecoupledGroup:
+class DecoupledGroup(MetricGroup):
     """Decoupled-PPO behaviour weights (§2): ``behave/*``, ``rs/filtered_fraction`` (AReaL rejection sampling, the
     ``--rs-*`` options) and ``m2po/*`` (``--m2-threshold``), when the dump has ``prox_logp`` and ``old_logp``."""
 
@@ -150,7 +149,7 @@ _IS_KEYS = (
 )  # fmt: skip
 
 
-class ImportanceGroup:
+class ImportanceGroup(MetricGroup):
     """Importance-weight health (§3): ``is/*``, ``ppl/*``, ``prob/pearson`` (verl's rollout-correction metrics with
     w = exp(new − old), ``--is-threshold``) and ``spikes/n_ratio_gt_1e3`` (§7)."""
 
@@ -183,7 +182,7 @@ _RATIO_KEYS = tuple(f"ratio/{k}" for k in (*DEFAULT_QUANTILES, "mean", "min", "s
 _ABS_DIFF_KEYS = tuple(f"abs_diff/{k}" for k in (*DEFAULT_QUANTILES, "mean", "min", "max", "std", "hist"))
 
 
-class DistributionGroup:
+class DistributionGroup(MetricGroup):
     """Distributions (§4) of the PPO ratio (base = prox_logp if present, else old_logp) and of |new − old|:
     exact moments and extrema, quantiles from fixed-edge histograms (``quantile_rel_error`` in the JSON config)."""
 
@@ -223,7 +222,7 @@ _STALENESS_KEYS = (
 _SANITY_KEYS = ("sanity/n_on_policy_tokens", "sanity/on_policy_ratio_dev")
 
 
-class StalenessGroup:
+class StalenessGroup(MetricGroup):
     """Staleness (§5) and the on-policy ratio check (§7): needs ``versions`` and a current version (the
     ``current_version`` column, else ``--current-version``)."""
 
@@ -271,7 +270,7 @@ class StalenessGroup:
 _ADV_KEYS = ("adv/mean", "adv/std", "adv/pos_frac", "adv/neg_frac", "adv/zero_frac")
 
 
-class SequenceGroup:
+class SequenceGroup(MetricGroup):
     """Sequences and groups (§6): ``adv/*``, ``seq/len_*``, ``reward/*``, ``groups/*``."""
 
     name = "sequences"

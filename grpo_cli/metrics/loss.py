@@ -8,23 +8,20 @@ it (decoupled PPO), else ``old_logp``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from grpo_cli.core.batch import TokenBatch
-from grpo_cli.core.grpo_family import GRPO_VARIANTS, grpo_family_valid_terms
+from grpo_cli.core.grpo_family import grpo_family_valid_terms
 from grpo_cli.core.ppo import ppo_actor_loss_terms
 from grpo_cli.core.state import MetricState, count, total
-
-if TYPE_CHECKING:
-    from grpo_cli.analysis import AnalyzeConfig
+from grpo_cli.engine.group import MetricGroup
+from grpo_cli.metrics.config import LOSS_NAMES, AnalyzeConfig
 
 __all__ = ["LOSS_NAMES", "LossGroup", "valid_ppo_terms"]
 
-LOSS_NAMES = (*GRPO_VARIANTS, "ppo")
-"""``--loss`` choices: the six GRPO-family loss objects and AReaL's ``ppo_actor_loss``."""
 
 _NEEDS = "needs 'advantages' and a ratio base ('prox_logp' or 'old_logp')"
 
@@ -55,7 +52,7 @@ def valid_ppo_terms(valid: TokenBatch, config: AnalyzeConfig) -> tuple[Tensor, T
     return valid.memoised("ppo_terms", compute)
 
 
-class LossGroup:
+class LossGroup(MetricGroup):
     """``loss/<name>`` for every selected loss and ``clip/dual`` (with ``--c-clip``)."""
 
     name = "loss"

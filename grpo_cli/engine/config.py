@@ -1,16 +1,64 @@
-"""Options shared by every command that evaluates the PPO objective (``analyze``, ``compare-prox``, ``check``)."""
+"""The configuration the engine reads: how a streaming pass runs (:class:`StreamConfig`) and the PPO options every
+command that evaluates the PPO objective shares (:class:`PPOOptions`). Nothing here needs the layers above."""
 
 from __future__ import annotations
 
+import enum
 import math
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from grpo_cli.core.rejection import RejectionSamplingConfig
 from grpo_cli.errors import UsageError
+from grpo_cli.io.reader import DEFAULT_BATCH_TOKENS
+from grpo_cli.io.schema import COLUMNS, ColumnKind
 
-__all__ = ["IMPORTANCE_LEVELS", "PPOOptions", "check_finite"]
+__all__ = [
+    "DEFAULT_BATCH_TOKENS",
+    "GROUP_BY_COLUMNS",
+    "IMPORTANCE_LEVELS",
+    "OnInvalid",
+    "PPOOptions",
+    "StreamConfig",
+    "check_finite",
+    "validate_stream",
+]
+
+GROUP_BY_COLUMNS = tuple(name for name, spec in COLUMNS.items() if spec.kind is ColumnKind.SEQUENCE_INT)
+"""Per-sequence integer columns ``--group-by`` (and a ``check`` rule's ``per``) accepts."""
+
+
+class OnInvalid(str, enum.Enum):
+    """What to do with a sequence that fails validation (``--on-invalid``)."""
+
+    error = "error"
+    skip = "skip"
+
+
+class StreamConfig(Protocol):
+    """What the streaming pass itself reads from a command's config (``AnalyzeConfig``, ``CompareProxConfig``):
+    where and in what batches to compute, the validation policy, and the optional ``--group-by`` split."""
+
+    device: str
+    batch_tokens: int
+    on_invalid: str
+    current_version: int | None
+    group_by: str | None
+    max_groups: int
+
+
+def validate_stream(config: StreamConfig) -> None:
+    """Raise :class:`UsageError` (exit 2) naming the bad streaming option."""
+    if config.on_invalid not in tuple(OnInvalid):
+        raise UsageError(f"--on-invalid must be 'error' or 'skip', got '{config.on_invalid}'")
+    if isinstance(config.batch_tokens, bool) or not isinstance(config.batch_tokens, int) or config.batch_tokens < 1:
+        raise UsageError(f"--batch-tokens must be >= 1, got {config.batch_tokens}")
+    current = config.current_version
+    if current is not None and (isinstance(current, bool) or not isinstance(current, int)):
+        raise UsageError(f"--current-version must be an integer, got {current!r}")
+    if config.group_by is not None and config.group_by not in GROUP_BY_COLUMNS:
+        raise UsageError(f"--group-by must be one of {', '.join(GROUP_BY_COLUMNS)}, got '{config.group_by}'")
 
 IMPORTANCE_LEVELS = ("token", "sequence")
 _RS_FIELDS = ("rs_level", "rs_action", "rs_metric", "rs_agg", "rs_upper", "rs_lower")

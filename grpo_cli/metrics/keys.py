@@ -109,7 +109,7 @@ for _method in ("loglinear", "linear", "rollout"):
 
 KEYS["invalid/n_sequences_skipped"] = KeyInfo("invalid", "sequences dropped as invalid (left out of every figure)")
 KEYS["invalid/n_tokens_skipped"] = KeyInfo("invalid", "tokens of the dropped sequences")
-# Sequences dropped per reason (grpo_cli.io.validate.CHECKS; present only when non-zero).
+# Sequences dropped per reason (grpo_cli.engine.validate.CHECKS; present only when non-zero).
 _LOGPS = ("new_logp", "old_logp", "prox_logp", "ref_logp", "teacher_logp")
 for _reason, _meaning in {
     "loss_mask_not_binary": "a loss_mask value other than 0 and 1",

@@ -1,7 +1,7 @@
-"""Renderings of a :class:`~grpo_cli.check.CheckReport`: the rule table, JSON, JUnit XML, GitHub workflow commands
-and the Markdown step summary. Pure functions of the report (the CLI writes the strings where they go).
+"""Renderings of a :class:`~grpo_cli.commands.check.CheckReport`: the rule table, JSON, JUnit XML, GitHub workflow
+commands and the Markdown step summary. Pure functions of the report (the CLI writes the strings where they go).
 
-Kept next to :mod:`grpo_cli.render`, whose console, number format and JSON envelope they reuse.
+Kept next to :mod:`grpo_cli.render.tables`, whose console, number format and JSON envelope they reuse.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from grpo_cli.check import CheckReport, RuleResult, Status, fmt
-from grpo_cli.render import json_document
+from grpo_cli.commands.check import CheckReport, RuleResult, Status, fmt
+from grpo_cli.render.documents import json_document
 
 __all__ = [
     "check_document",

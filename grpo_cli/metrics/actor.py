@@ -7,20 +7,19 @@ Keys (``docs/metrics.md``, "AReaL actor statistics"): ``seq/prompt_len_*``, ``se
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from grpo_cli.core.actor_stats import actor_stats_compute, actor_stats_state, actor_stats_update
+from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.offpolicy import working_logp
 from grpo_cli.core.packing import lengths_from_cu_seqlens
 from grpo_cli.core.state import MetricState
-from grpo_cli.loss_groups import valid_ppo_terms
-
-if TYPE_CHECKING:
-    from grpo_cli.analysis import AnalyzeConfig
-    from grpo_cli.core.batch import TokenBatch
+from grpo_cli.engine.group import MetricGroup
+from grpo_cli.metrics.config import AnalyzeConfig
+from grpo_cli.metrics.loss import valid_ppo_terms
 
 __all__ = ["ActorStatsGroup"]
 
@@ -28,7 +27,7 @@ _REWARD_KEYS = ("reward/min", "reward/max", "seq/n_correct", "seq/n_incorrect",
                 *(f"seq/{w}_total_len_{s}" for w in ("correct", "incorrect") for s in ("mean", "min", "max")))
 
 
-class ActorStatsGroup:
+class ActorStatsGroup(MetricGroup):
     """Prompt/sequence lengths, EOS, task-reward splits, mean log-ratio and the clipped-token log-probs.
 
     The clip mask is AReaL's ``ppo_actor_loss`` ``clip_mask`` with the ``loss/ppo`` options (``--epsilon``,

@@ -33,7 +33,6 @@ host sync per batch; the per-reason analysis runs only for batches that hold a p
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -46,10 +45,12 @@ from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.logp_sanity import LOGP_COLUMNS, POSITIVE_LOGP_TOLERANCE
 from grpo_cli.core.packing import broadcast_to_tokens, lengths_from_cu_seqlens, segment_sum
 from grpo_cli.core.state import MetricState, count
+from grpo_cli.engine.config import OnInvalid
+from grpo_cli.engine.group import MetricGroup
 from grpo_cli.errors import InputError
 
 if TYPE_CHECKING:
-    from grpo_cli.analysis import AnalyzeConfig
+    from grpo_cli.engine.config import StreamConfig
     from grpo_cli.io.reader import RolloutDataset
 
 __all__ = [
@@ -74,13 +75,6 @@ The same constant as the ``sanity/n_positive_logp`` count, so the two never disa
 
 LOGP_COLUMNS_CHECKED = (*LOGP_COLUMNS, "teacher_logp")
 """Every log-probability column: finite and ≤ :data:`LOGP_TOLERANCE` at valid tokens."""
-
-
-class OnInvalid(str, enum.Enum):
-    """What to do with a sequence that fails validation (``--on-invalid``)."""
-
-    error = "error"
-    skip = "skip"
 
 
 @dataclass(frozen=True)
@@ -394,12 +388,13 @@ def _describe(check: Check, value: Any, tol: float, current: int | None) -> str:
     return f"{kind} is {value} at a valid token (loss_mask = 1)"
 
 
-class ValidationGroup:
+class ValidationGroup(MetricGroup):
     """The ``invalid/*`` figures: sequences ``--on-invalid skip`` dropped, in total and per reason.
 
     It is a metric group so that its counts merge like every other state (batches, ``--workers``, ranks). The
-    dropping itself happens in :func:`grpo_cli.analysis.update_states`, before any group sees the batch; ``update``
-    has nothing left to do. Under ``--on-invalid error`` it reports nothing (a run that finishes had no problem).
+    dropping itself happens in :func:`grpo_cli.engine.runner.accumulate_states`, before any group sees the batch;
+    ``update`` has nothing left to do. Under ``--on-invalid error`` it reports nothing (a run that finishes had no
+    problem).
     """
 
     name = "invalid"
@@ -408,16 +403,16 @@ class ValidationGroup:
         # current_version is read so that versions can be checked against it.
         return frozenset({"loss_mask", "current_version"})
 
-    def omitted(self, columns: frozenset[str], config: AnalyzeConfig) -> dict[str, str]:
+    def omitted(self, columns: frozenset[str], config: StreamConfig) -> dict[str, str]:
         return {}
 
-    def init_state(self, config: AnalyzeConfig, device: torch.device | str) -> MetricState:
+    def init_state(self, config: StreamConfig, device: torch.device | str) -> MetricState:
         return validation_state(device)
 
-    def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: AnalyzeConfig) -> None:
+    def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: StreamConfig) -> None:
         return None
 
-    def compute(self, state: MetricState, config: AnalyzeConfig) -> dict[str, Any]:
+    def compute(self, state: MetricState, config: StreamConfig) -> dict[str, Any]:
         return validation_compute(state) if config.on_invalid == OnInvalid.skip.value else {}
 
 

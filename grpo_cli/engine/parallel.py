@@ -2,7 +2,7 @@
 
 The dump is cut into *units*: contiguous runs of whole row groups (:class:`~grpo_cli.io.reader.Shard`) of at least
 :data:`UNIT_BATCHES` ``× --batch-tokens`` tokens each, planned from the Parquet metadata alone. Each unit is
-streamed into its own :class:`~grpo_cli.analysis.Accumulator` (the batches are the same whoever reads the unit,
+streamed into its own :class:`~grpo_cli.engine.group.Accumulator` (the batches are the same whoever reads the unit,
 since a batch never crosses a row-group boundary), and the unit accumulators are merged **in unit order** with the
 states' own exact merge. The reduction tree therefore depends on the data and ``--batch-tokens`` only, never on
 the number of workers: ``--workers 1`` and ``--workers N`` give bitwise-identical figures.
@@ -22,7 +22,7 @@ batch on the remaining cores; that is both the fastest setting measured and what
 the core count (torch splits a reduction by thread).
 
 Example:
-    >>> from grpo_cli.analysis import AnalyzeConfig, default_groups
+    >>> from grpo_cli.metrics import AnalyzeConfig, default_groups
     >>> from grpo_cli.io.reader import RolloutDataset
     >>> dataset = RolloutDataset(["sample_data/rollouts.parquet"])  # doctest: +SKIP
     >>> acc = accumulate(dataset, AnalyzeConfig(), default_groups(), workers=2)  # doctest: +SKIP
@@ -41,17 +41,17 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from grpo_cli.core.keyed_state import keyed_combine
 from grpo_cli.core.state import MetricState, Reduce, select_top_rows
+from grpo_cli.engine.config import StreamConfig
+from grpo_cli.engine.group import Accumulator, MetricGroup
+from grpo_cli.engine.runner import accumulate_states
 from grpo_cli.errors import GrpoCliError, UsageError
-
-if TYPE_CHECKING:
-    from grpo_cli.analysis import Accumulator, MetricGroup, StreamOptions
-    from grpo_cli.io.reader import RolloutDataset, Shard
+from grpo_cli.io.reader import RolloutDataset, Shard
 
 __all__ = [
     "MAX_COMPUTE_THREADS",
@@ -194,7 +194,7 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _device_for(config: StreamOptions) -> torch.device:
+def _device_for(config: StreamConfig) -> torch.device:
     device = torch.device(config.device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
@@ -280,7 +280,7 @@ def one_torch_thread(device: torch.device) -> Iterator[None]:
 
     The metric updates are hundreds of small element-wise ops per batch: torch's intra-op threads mostly spin-wait
     between them (twice the CPU time for the same wall time on 2 cores, far worse on a busy machine), while one
-    thread leaves the other cores to Arrow's decoding, which runs ahead in the background (grpo_cli.streaming).
+    thread leaves the other cores to Arrow's decoding, which runs ahead in the background (grpo_cli.engine.stream).
     It also makes float sums independent of the core count: torch splits a reduction by thread, so a different
     thread count could change the last bit of a sum.
     """
@@ -317,8 +317,6 @@ def compute_threads(workers: int, processes: int, device: torch.device) -> int:
 
 
 def _run_unit(index: int) -> bytes:
-    from grpo_cli.analysis import accumulate_states
-
     counter = _JOB["counter"]
 
     def advance(n: int) -> None:
@@ -330,24 +328,7 @@ def _run_unit(index: int) -> bytes:
         threads=_JOB["threads"],
     )
     # Plain pickling, not torch's shared-memory reductions: many tiny state tensors would each cost a file descriptor.
-    return pickle.dumps(_to_cpu(acc))
-
-
-def _to_cpu(acc: Accumulator) -> Accumulator:
-    from grpo_cli.analysis import Accumulator
-
-    cpu = torch.device("cpu")
-    return Accumulator([s.to(cpu) for s in acc.overall], {k: [s.to(cpu) for s in v] for k, v in acc.by_key.items()})
-
-
-def _to_device(acc: Accumulator, device: torch.device) -> Accumulator:
-    from grpo_cli.analysis import Accumulator
-
-    if device.type == "cpu":
-        return acc
-    return Accumulator(
-        [s.to(device) for s in acc.overall], {k: [s.to(device) for s in v] for k, v in acc.by_key.items()}
-    )
+    return pickle.dumps(acc.to(torch.device("cpu")))
 
 
 def _context(device: torch.device) -> mp.context.BaseContext:
@@ -360,7 +341,7 @@ def _context(device: torch.device) -> mp.context.BaseContext:
 
 def _fold_in_pool(
     dataset: RolloutDataset,
-    config: StreamOptions,
+    config: StreamConfig,
     groups: Sequence[MetricGroup],
     units: Sequence[tuple[Shard, ...]],
     workers: int,
@@ -396,7 +377,7 @@ def _fold_in_pool(
                     break
                 except FuturesTimeout:
                     report()
-            part = _to_device(pickle.loads(blob), device)
+            part = pickle.loads(blob).to(device)
             acc = part if acc is None else acc.merge_(part)
             report()
     except BrokenProcessPool:
@@ -411,15 +392,13 @@ def _fold_in_pool(
 
 def _fold(
     dataset: RolloutDataset,
-    config: StreamOptions,
+    config: StreamConfig,
     groups: Sequence[MetricGroup],
     units: Sequence[tuple[Shard, ...]],
     workers: int,
     device: torch.device,
     progress: Callable[[int], None] | None,
 ) -> Accumulator:
-    from grpo_cli.analysis import accumulate_states
-
     # --workers counts cores: processes take whole units, and the cores a process is left with compute its groups
     # in threads (a single-row-group dump still uses every core for the metrics).
     processes = max(1, min(workers, len(units)))
@@ -438,13 +417,13 @@ def _fold(
 
 def accumulate(
     dataset: RolloutDataset,
-    config: StreamOptions,
+    config: StreamConfig,
     groups: Sequence[MetricGroup],
     *,
     workers: int = 1,
     progress: Callable[[int], None] | None = None,
 ) -> Accumulator:
-    """Stream the whole dataset into one :class:`~grpo_cli.analysis.Accumulator` with ``workers`` processes, or
+    """Stream the whole dataset into one :class:`~grpo_cli.engine.group.Accumulator` with ``workers`` processes, or
     this rank's share of it under ``torchrun`` followed by an all-reduce.
 
     Raises:

@@ -1,0 +1,70 @@
+"""The unit the engine runs: a :class:`MetricGroup` (a family of figures over one mergeable state) and the
+:class:`Accumulator` that holds one state per group for a dump (and per ``--group-by`` value)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from grpo_cli.core.batch import TokenBatch
+from grpo_cli.core.state import MetricState
+
+__all__ = ["Accumulator", "MetricGroup"]
+
+
+class MetricGroup:
+    """A family of figures computed from one mergeable state (the torchmetrics pattern, over ``grpo_cli.core``).
+
+    Subclasses call the core's pure ``*_state`` / ``*_update`` / ``*_compute`` functions; they never read files
+    or print. ``config`` is the command's config (``AnalyzeConfig``, ``CompareProxConfig``), read for the options
+    that change a figure.
+    """
+
+    name: str = ""
+
+    def columns(self) -> frozenset[str]:
+        """Canonical columns this group reads when present."""
+        return frozenset()
+
+    def omitted(self, columns: frozenset[str], config: Any) -> dict[str, str]:
+        """Keys this group cannot report for a dump with ``columns``, each with the reason."""
+        return {}
+
+    def init_state(self, config: Any, device: torch.device | str) -> MetricState:
+        raise NotImplementedError
+
+    def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: Any) -> None:
+        """Fold one batch (``valid`` = its loss-mask tokens) into ``state``."""
+        raise NotImplementedError
+
+    def compute(self, state: MetricState, config: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+@dataclass
+class Accumulator:
+    """One state per metric group for the whole dump, and (with ``group_by``) one set per key value."""
+
+    overall: list[MetricState]
+    by_key: dict[int, list[MetricState]] = field(default_factory=dict)
+
+    def merge_(self, other: Accumulator) -> Accumulator:
+        for mine, theirs in zip(self.overall, other.overall):
+            mine.merge_(theirs)
+        for key, states in other.by_key.items():
+            if key in self.by_key:
+                for mine, theirs in zip(self.by_key[key], states):
+                    mine.merge_(theirs)
+            else:
+                self.by_key[key] = [state.clone() for state in states]
+        return self
+
+    def to(self, device: torch.device) -> Accumulator:
+        """Every state moved to ``device`` (the same object when nothing moves)."""
+        states = [*self.overall, *(s for v in self.by_key.values() for s in v)]
+        if all(state.device == device for state in states):
+            return self
+        return Accumulator([s.to(device) for s in self.overall], {k: [s.to(device) for s in v]
+                                                                    for k, v in self.by_key.items()})

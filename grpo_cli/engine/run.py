@@ -1,0 +1,96 @@
+"""One streaming run: ``run(dataset, groups, config)`` validates the options, folds the dump (all cores, or this
+rank's share under ``torchrun``) and computes every group's figures with the omitted keys and their reasons.
+
+Groups never do I/O and the reader never computes a figure; because states merge exactly, the same code serves one
+process, ``--workers`` processes and ``torchrun`` ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpo_cli.core.state import MetricState
+from grpo_cli.engine.group import Accumulator, MetricGroup
+from grpo_cli.engine.parallel import accumulate
+from grpo_cli.engine.validate import require_data
+from grpo_cli.io.reader import RolloutDataset
+
+__all__ = ["AnalysisResult", "finalize", "run"]
+
+
+@dataclass
+class AnalysisResult:
+    """What every output format renders."""
+
+    metrics: dict[str, Any]
+    omitted: dict[str, str]
+    inputs: list[str]
+    config: dict[str, Any]
+    columns: list[str] = field(default_factory=list)
+    groups: list[dict[str, Any]] = field(default_factory=list)
+    """With ``group_by``: ``[{"key": value, "metrics": {...}}, ...]`` in ascending key order."""
+
+
+def _figures(
+    dataset: RolloutDataset, config: Any, groups: Sequence[MetricGroup], states: Sequence[MetricState]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    metrics: dict[str, Any] = {}
+    omitted: dict[str, str] = {}
+    for group, state in zip(groups, states):
+        figures = group.compute(state, config)
+        reasons = group.omitted(dataset.columns, config)
+        metrics.update({k: v for k, v in figures.items() if k not in reasons})
+        omitted.update(reasons)
+    if metrics.get("n_valid_tokens", 0) == 0:
+        hidden = [k for k in metrics if "/" in k and not k.startswith("invalid/")]
+        omitted.update(dict.fromkeys(hidden, "no valid tokens (loss_mask is 0 everywhere)"))
+        metrics = {k: v for k, v in metrics.items() if k not in hidden}
+    return metrics, omitted
+
+
+def finalize(
+    dataset: RolloutDataset,
+    config: Any,
+    groups: Sequence[MetricGroup],
+    acc: Accumulator,
+) -> AnalysisResult:
+    """Compute every group's figures from merged states and collect the omitted keys with reasons."""
+    metrics, omitted = _figures(dataset, config, groups, acc.overall)
+    require_data(metrics, [str(p) for p in dataset.files])  # zero rows / all skipped / no valid tokens: exit 2
+    by_key = [
+        {"key": key, "metrics": _without_skip_counts(_figures(dataset, config, groups, acc.by_key[key])[0])}
+        for key in sorted(acc.by_key)
+    ]
+    return AnalysisResult(
+        metrics=metrics,
+        omitted=omitted,
+        inputs=[str(p) for p in dataset.files],
+        config=config.to_json(),
+        columns=sorted(dataset.columns),
+        groups=by_key,
+    )
+
+
+def _without_skip_counts(metrics: dict[str, Any]) -> dict[str, Any]:
+    # Sequences are dropped before they are split by key, so skip counts exist for the whole dump only.
+    return {k: v for k, v in metrics.items() if not k.startswith("invalid/")}
+
+
+def run(
+    dataset: RolloutDataset,
+    groups: Sequence[MetricGroup],
+    config: Any,
+    *,
+    progress: Callable[[int], None] | None = None,
+    workers: int = 1,
+) -> AnalysisResult:
+    """Validate ``config``, stream ``dataset`` once through ``groups`` and compute their figures.
+
+    ``workers`` processes share the (file, row-group) units of the dump; under ``torchrun`` each rank takes its
+    share and the states are all-reduced (:func:`grpo_cli.engine.parallel.accumulate`). No figure depends on either.
+    """
+    config.validate()
+    acc = accumulate(dataset, config, groups, workers=workers, progress=progress)
+    return finalize(dataset, config, groups, acc)

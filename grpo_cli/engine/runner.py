@@ -1,0 +1,177 @@
+"""The single-process streaming fold: decode a dump's batches once, validate each, and update every metric group's
+state (in the calling thread or in metric threads). :mod:`grpo_cli.engine.parallel` runs it per unit of the dump."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import torch
+
+from grpo_cli.core.batch import TokenBatch
+from grpo_cli.core.state import MetricState
+from grpo_cli.engine.config import StreamConfig
+from grpo_cli.engine.group import Accumulator, MetricGroup
+from grpo_cli.engine.stream import streamed
+from grpo_cli.engine.validate import BatchValidator, ValidationGroup
+from grpo_cli.errors import UsageError
+from grpo_cli.io.reader import RolloutDataset, Shard
+
+__all__ = ["accumulate_states"]
+
+
+BATCHES_IN_FLIGHT = 2
+"""Batches whose metric updates may be queued at once with ``threads`` > 1 (each holds its tensors until done)."""
+
+PROBE_BATCHES = 2
+"""Batches run in the calling thread, timed per group, before the metric threads start."""
+
+MIN_THREAD_SPEEDUP = 1.5
+"""Metric threads are kept only if the groups' times on the last probe batch allow at least this speed-up (their
+sum over the longest one)."""
+
+
+class _GroupRunner:
+    """Runs every group's ``update`` on each batch: in the caller's thread, or spread over ``threads`` threads.
+
+    Each group owns its state, so a batch's groups are independent tasks. With threads, the caller hands a batch
+    over and moves on to validating the next one (decoded meanwhile by the prefetch thread) while they compute; at most
+    :data:`BATCHES_IN_FLIGHT` batches are handed over at a time (memory stays bounded). A task first waits for the
+    same state's task on the previous batch, so every state still sees the batches in order, and no figure depends
+    on ``threads`` (torch computes each op on the calling thread, with one intra-op thread per process). torch
+    releases the GIL inside its kernels, so the threads run in parallel. The first :data:`PROBE_BATCHES` batches
+    run in the caller, timed per group; after them, a batch's tasks start in decreasing order of the time each group
+    has taken so far (longest first balances the threads without a hand-kept cost table), or, if one group
+    dominates (:data:`MIN_THREAD_SPEEDUP`), every batch runs in the caller.
+    """
+
+    def __init__(self, threads: int, n_groups: int) -> None:
+        threads = min(threads, n_groups)  # more would idle
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="grpo-cli-metrics") if threads > 1 else None
+        self.seconds: dict[int, float] = {}
+        self.probed = 0
+        self.in_flight: deque[list[Future[None]]] = deque()
+        self.last: dict[int, Future[None]] = {}  # id(state) -> its latest task
+
+    def __enter__(self) -> _GroupRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def update(
+        self, groups: Sequence[MetricGroup], states: list[MetricState], batch: TokenBatch, config: StreamConfig
+    ) -> None:
+        """Update ``states`` with ``batch`` now (one thread), or queue the updates (threads: see :meth:`finish`)."""
+        valid = batch.valid()
+        if self.pool is None:
+            for group, state in zip(groups, states):
+                group.update(state, batch, valid, config)  # type: ignore[arg-type]
+            return
+        if self.probed < PROBE_BATCHES:
+            # The first batches run here, timed group by group (the last one counts: the first pays one-time
+            # costs); the threads stay only if the work can be spread, not when one group dominates.
+            for i, (group, state) in enumerate(zip(groups, states)):
+                start = time.perf_counter()
+                group.update(state, batch, valid, config)  # type: ignore[arg-type]
+                self.seconds[i] = time.perf_counter() - start
+            self.probed += 1
+            if self.probed == PROBE_BATCHES and (
+                sum(self.seconds.values()) < MIN_THREAD_SPEEDUP * max(self.seconds.values(), default=0.0)
+            ):
+                self.pool.shutdown()
+                self.pool = None
+            return
+        while len(self.in_flight) >= BATCHES_IN_FLIGHT:
+            self._finish_oldest()
+
+        def task(index: int, previous: Future[None] | None) -> None:
+            if previous is not None:
+                previous.result()  # queued before this task (FIFO), so already running or done: no deadlock
+            start = time.perf_counter()
+            groups[index].update(states[index], batch, valid, config)  # type: ignore[arg-type]
+            # (with --group-by two states of one group may race here: that only skews the ordering heuristic)
+            self.seconds[index] = self.seconds.get(index, 0.0) + time.perf_counter() - start
+
+        futures: list[Future[None]] = [None] * len(groups)  # type: ignore[list-item]
+        for i in sorted(range(len(groups)), key=lambda i: -self.seconds.get(i, 0.0)):
+            futures[i] = self.pool.submit(task, i, self.last.get(id(states[i])))
+            self.last[id(states[i])] = futures[i]
+        self.in_flight.append(futures)
+
+    def finish(self) -> None:
+        """Wait for every queued update; raise the first failure in batch and group order."""
+        while self.in_flight:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        futures = self.in_flight.popleft()
+        wait(futures)
+        for future in futures:
+            future.result()
+
+
+def accumulate_states(
+    dataset: RolloutDataset,
+    config: StreamConfig,
+    groups: Sequence[MetricGroup],
+    *,
+    shards: Sequence[Shard] | None = None,
+    progress: Callable[[int], None] | None = None,
+    threads: int = 1,
+) -> Accumulator:
+    """Stream ``shards`` (default: all) once, updating one state per metric group (and per ``group_by`` key).
+
+    ``threads`` > 1 runs the groups of each batch in that many threads (:class:`_GroupRunner`); the figures are
+    the same bits whatever it is.
+    """
+    device = torch.device(config.device)
+    acc = Accumulator([group.init_state(config, device) for group in groups])
+    wanted: set[str] = {"loss_mask"}
+    for group in groups:
+        wanted |= group.columns()
+    if config.group_by is not None:
+        if config.group_by not in dataset.columns:
+            raise UsageError(f"--group-by {config.group_by}: the dump has no '{config.group_by}' column")
+        wanted.add(config.group_by)
+    # Validation sits between the reader and every group (io/validate.py): it sees the raw loss-mask values, and
+    # under --on-invalid skip it drops sequences before any figure (or group_by key) sees them.
+    validator = BatchValidator.for_dataset(dataset, config.on_invalid, config.current_version)
+    skip_counts = next((s for g, s in zip(groups, acc.overall) if isinstance(g, ValidationGroup)), None)
+    batches = dataset.iter_batches(columns=wanted, batch_tokens=config.batch_tokens, shards=shards, raw_mask=True)
+    # Decoding runs ahead in a thread (into pinned memory for CUDA) while the groups compute (grpo_cli.engine.stream).
+    with _GroupRunner(threads, len(groups)) as runner:
+        for batch in streamed(batches, device):
+            _update_batch(acc, groups, batch, config, device, validator, skip_counts, runner)
+            if progress is not None:
+                progress(batch.n_tokens)
+        runner.finish()
+    return acc
+
+
+def _update_batch(
+    acc: Accumulator,
+    groups: Sequence[MetricGroup],
+    batch: TokenBatch,
+    config: StreamConfig,
+    device: torch.device,
+    validator: BatchValidator,
+    skip_counts: MetricState | None,
+    runner: _GroupRunner,
+) -> None:
+    if batch.device != device:
+        batch = batch.to(device, non_blocking=True)
+    batch = validator(batch, skip_counts)
+    runner.update(groups, acc.overall, batch, config)
+    if config.group_by is None:
+        return
+    keys = getattr(batch, config.group_by)
+    for key in torch.unique(keys).tolist():
+        if key not in acc.by_key:
+            if len(acc.by_key) >= config.max_groups:
+                raise UsageError(f"--group-by {config.group_by}: more than {config.max_groups} distinct values")
+            acc.by_key[key] = [group.init_state(config, device) for group in groups]
+        runner.update(groups, acc.by_key[key], batch.select_sequences(keys == key), config)

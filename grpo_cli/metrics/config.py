@@ -1,0 +1,86 @@
+"""``AnalyzeConfig``: every option that changes an ``analyze`` figure, read by the metric groups."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from grpo_cli.core.grpo_family import GRPO_VARIANTS
+from grpo_cli.core.histogram import QUANTILE_REL_ERROR
+from grpo_cli.core.staleness import MAX_LAG
+from grpo_cli.engine.config import DEFAULT_BATCH_TOKENS, PPOOptions, check_finite, validate_stream
+from grpo_cli.errors import UsageError
+
+__all__ = ["LOSS_NAMES", "AnalyzeConfig"]
+
+LOSS_NAMES = (*GRPO_VARIANTS, "ppo")
+"""``--loss`` choices: the six GRPO-family loss objects and AReaL's ``ppo_actor_loss``."""
+
+
+@dataclass
+class AnalyzeConfig(PPOOptions):
+    """Every option that changes a figure (reported in the JSON ``config``).
+
+    Besides :class:`~grpo_cli.engine.config.PPOOptions` (clip widths, dual clip, importance level, rejection sampling):
+    ``losses`` selects the ``loss/*`` figures (``None``: all the data allows); ``beta``, ``tau_pos``, ``tau_neg`` and
+    ``max_completion_length`` are the GRPO-family loss objects' parameters (``docs/losses.md``).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 10
+    batch_tokens: int = DEFAULT_BATCH_TOKENS
+    device: str = "cpu"
+    group_by: str | None = None
+    max_groups: int = 100_000
+    losses: tuple[str, ...] | None = None
+    beta: float = 0.0
+    tau_pos: float = 1.0
+    tau_neg: float | None = None
+    max_completion_length: int = 1024
+    on_invalid: str = "error"
+    kl_clamp: float | None = None
+    is_threshold: float = 2.0
+    m2_threshold: float | None = None
+    current_version: int | None = None
+    distill_weight: float = 0.005
+    rl_weight: float = 1.0
+    max_new_tokens: int | None = None
+
+    def validate(self) -> None:
+        self.validate_ppo()
+        if self.kl_clamp is not None:
+            check_finite(self.kl_clamp, "--kl-clamp", above=0)
+        check_finite(self.is_threshold, "--is-threshold", minimum=1)
+        if self.m2_threshold is not None:
+            check_finite(self.m2_threshold, "--m2-threshold")
+        check_finite(self.beta, "--beta", minimum=0)
+        check_finite(self.distill_weight, "--distill-weight", minimum=0)
+        check_finite(self.rl_weight, "--rl-weight", minimum=0)
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        check_finite(self.tau_pos, "--tau-pos", above=0)
+        if self.tau_neg is not None:
+            check_finite(self.tau_neg, "--tau-neg", above=0)
+        if self.max_completion_length < 1:
+            raise UsageError(f"--max-completion-length must be >= 1, got {self.max_completion_length}")
+        if self.losses is not None:
+            unknown = [name for name in self.losses if name not in LOSS_NAMES]
+            if unknown:
+                raise UsageError(f"--loss: unknown {', '.join(unknown)} (choose from {', '.join(LOSS_NAMES)})")
+        if not self.temperature > 0:
+            raise UsageError(f"--temperature must be > 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise UsageError(f"--top-k must be >= 0, got {self.top_k}")
+        validate_stream(self)
+
+    def to_json(self) -> dict[str, Any]:
+        out = self.ppo_json(asdict(self))
+        out.pop("device")  # where it ran does not change a figure
+        out.pop("batch_tokens")
+        out.pop("max_groups")
+        out["losses"] = list(LOSS_NAMES if self.losses is None else self.losses)
+        out["tau_neg"] = self.tau_pos if self.tau_neg is None else self.tau_neg
+        # How the off-policy figures are binned (grpo_cli.core.histogram / .staleness), not options.
+        out["quantile_rel_error"] = QUANTILE_REL_ERROR
+        out["staleness_max_lag"] = MAX_LAG
+        return out

@@ -1,0 +1,98 @@
+"""Figures as Rich tables: sections with one-line meanings, the per-group table, and what was not computed."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from grpo_cli._format import format_value
+from grpo_cli.metrics.keys import KEYS, SECTIONS, section_of
+from grpo_cli.render.terminal import render_distributions, render_trends
+
+__all__ = ["render_group_table", "render_omitted", "render_table"]
+
+
+def render_group_table(console: Console, group_by: str, groups: list[dict[str, Any]], metrics: list[str]) -> None:
+    """One row per group value (e.g. per step), the chosen metrics as columns."""
+    table = Table(title=f"Per {group_by}", title_justify="left")
+    table.add_column(group_by, justify="right", style="cyan")
+    for name in metrics:
+        table.add_column(name, justify="right")
+    for group in groups:
+        values = group["metrics"]
+        table.add_row(str(group["key"]), *(format_value(values[m]) if m in values else "–" for m in metrics))
+    console.print(table)
+    render_trends(console, group_by, groups, metrics)
+
+
+def render_table(
+    console: Console,
+    *,
+    title: str,
+    metrics: Mapping[str, Any],
+    omitted: Mapping[str, str],
+    inputs: list[str],
+    config: Mapping[str, Any],
+    sources: Mapping[str, str] | None = None,
+) -> None:
+    """Figures grouped in sections with one-line meanings, then what was not computed and why.
+
+    ``sources`` maps displayed keys renamed by ``--names`` to grpo-cli's keys (for their section and meaning).
+    """
+    sources = sources or {}
+    config_text = ", ".join(f"{k}={format_value(v)}" for k, v in config.items())
+    console.print(Text(f"{title} — {len(inputs)} file(s): {', '.join(inputs[:3])}{' …' if len(inputs) > 3 else ''}"))
+    console.print(Text(f"config: {config_text}", style="dim"))
+    by_section: dict[str, list[str]] = {}
+    for key in metrics:
+        if isinstance(metrics[key], (list, dict)):
+            continue
+        by_section.setdefault(section_of(sources.get(key, key)), []).append(key)
+    order = list(SECTIONS) + [s for s in by_section if s not in SECTIONS]
+    for section in order:
+        keys = by_section.get(section)
+        if not keys:
+            continue
+        table = Table(title=SECTIONS.get(section, section), title_justify="left", expand=False)
+        table.add_column("metric", style="cyan", no_wrap=True)
+        table.add_column("value", justify="right", no_wrap=True)
+        table.add_column("meaning", style="dim")
+        for key in keys:
+            origin = sources.get(key, key)
+            meaning = KEYS[origin].meaning if origin in KEYS else ""
+            table.add_row(key, format_value(metrics[key]), f"{origin}: {meaning}" if origin != key else meaning)
+        console.print(table)
+    render_distributions(console, metrics)
+    top = metrics.get("top_kl")
+    if top:
+        table = Table(title="Highest-KL tokens (k3 vs old)", title_justify="left")
+        for column in ("file", "row", "position", "kl", "ratio", "new_logp", "old_logp"):
+            table.add_column(column, justify="right")
+        for record in top:
+            file_index = record["file"]
+            name = os.path.basename(inputs[file_index]) if 0 <= file_index < len(inputs) else str(file_index)
+            table.add_row(
+                name,
+                str(record["row"]),
+                str(record["position"]),
+                *(format_value(record[c]) for c in ("kl", "ratio", "new_logp", "old_logp")),
+            )
+        console.print(table)
+    render_omitted(console, omitted)
+
+
+def render_omitted(console: Console, omitted: Mapping[str, str]) -> None:
+    """The figures that were not computed, each with the reason (nothing when every figure was)."""
+    if not omitted:
+        return
+    table = Table(title="Not computed", title_justify="left", style="dim")
+    table.add_column("metric", style="dim")
+    table.add_column("why", style="dim")
+    for key, reason in omitted.items():
+        table.add_row(key, reason)
+    console.print(table)
