@@ -263,7 +263,9 @@ def analyze(
     rs_lower: RsLowerOpt = None,
     on_invalid: OnInvalidOpt = InvalidPolicy.error,
     kl_clamp: Annotated[
-        float | None, typer.Option("--kl-clamp", help="Clamp per-token KL estimates to [-C, C] (default: none).")
+        float | None,
+        typer.Option("--kl-clamp", help="Clamp the per-token kl_ref/* estimates (the KL loss) to [-C, C] (default: "
+                     "none); kl/* are never clamped."),
     ] = None,
     is_threshold: Annotated[
         float, typer.Option("--is-threshold", help="IS weight bound C: is/frac_high (w > C), is/frac_low (w < 1/C).")

@@ -198,12 +198,13 @@ def offpolicy_reference(
     seqs: list[Seq],
     *,
     kl_clamp: float | None = None,
+    ref_kl_clamp: float | None = None,
     is_threshold: float = 2.0,
     eps: float = 0.2,
     eps_high: float | None = None,
     current_version: int | None = None,
 ) -> dict:
-    """Issue 4's figures by their written definitions (loops over sequences and tokens, float64).
+    """The off-policy figures by their written definitions (loops over sequences and tokens, float64).
 
     Returns the scalar figures under their analyze keys, plus ``"_ratio"`` / ``"_abs_diff"`` (the value lists, for
     quantile checks) and ``by_staleness`` / ``staleness/hist`` as lists of dicts.
@@ -246,9 +247,9 @@ def offpolicy_reference(
         out["abs_diff/std"] = _pop_std(out["_abs_diff"])
     if has_ref:
         ys = [s.ref[t] - s.new[t] for s, t in toks]
-        out["kl_ref/k1"] = sum(_clamp(-y, kl_clamp) for y in ys) / n
-        out["kl_ref/k2"] = sum(_clamp(y * y / 2, kl_clamp) for y in ys) / n
-        out["kl_ref/k3"] = sum(_clamp(math.exp(y) - 1 - y, kl_clamp) for y in ys) / n
+        out["kl_ref/k1"] = sum(_clamp(-y, ref_kl_clamp) for y in ys) / n
+        out["kl_ref/k2"] = sum(_clamp(y * y / 2, ref_kl_clamp) for y in ys) / n
+        out["kl_ref/k3"] = sum(_clamp(math.exp(y) - 1 - y, ref_kl_clamp) for y in ys) / n
 
     # per non-empty sequence: perplexities and the sequence χ²
     ppl_new, ppl_old, diffs, chi2 = [], [], [], []

@@ -159,7 +159,7 @@ def test_all_figures_match_the_reference(device, with_prox):
 def test_kl_clamp_and_is_threshold(device):
     seqs = random_sequences(40, seed=3, spread=0.8)
     got = run_all([seqs], device, kl_clamp=0.05, threshold=1.25)
-    ref = offpolicy_reference(seqs, kl_clamp=0.05, is_threshold=1.25)
+    ref = offpolicy_reference(seqs, kl_clamp=0.05, ref_kl_clamp=0.05, is_threshold=1.25)
     assert_matches(got, ref, ["kl/k1", "kl/k2", "kl/k3", "kl_ref/k1", "kl_ref/k2", "kl_ref/k3", "is/std", "is/ess",
                               "is/frac_high", "is/frac_low", "by_staleness"])
     unclamped = offpolicy_reference(seqs)

@@ -84,10 +84,13 @@ def test_options_change_the_figures(capsys, dump):
     path, seqs = dump
     base = analyze_json(capsys, path)["metrics"]
     clamped = analyze_json(capsys, path, "--kl-clamp", "0.01")["metrics"]
-    ref = offpolicy_reference(seqs, kl_clamp=0.01)
-    for key in ("kl/k1", "kl/k2", "kl/k3", "kl_ref/k3"):
+    ref = offpolicy_reference(seqs, ref_kl_clamp=0.01)
+    for key in ("kl/k1", "kl/k2", "kl/k3", "kl_ref/k1", "kl_ref/k2", "kl_ref/k3"):
         assert clamped[key] == pytest.approx(ref[key], rel=1e-5), key
-    assert clamped["kl/k3"] < base["kl/k3"]
+    # The clamp is the KL loss's (kl_ref/*, verl actor/kl_loss); train/rollout figures never change with it.
+    assert clamped["kl_ref/k3"] < base["kl_ref/k3"]
+    for key in ("kl/k1", "kl/k2", "kl/k3", "by_staleness", "top_kl"):
+        assert clamped[key] == base[key], key
     strict = analyze_json(capsys, path, "--is-threshold", "1.05")["metrics"]
     assert strict["is/frac_high"] > base["is/frac_high"]
     assert "rs/filtered_fraction" not in base and "m2po/masked_fraction" not in base

@@ -52,9 +52,10 @@ def _base(valid: TokenBatch) -> torch.Tensor | None:
 
 
 class KLFamiliesGroup(MetricGroup):
-    """``kl/k1``, ``kl/k2``, ``kl/abs_diff_*`` and ``kl_ref/*`` (§1). ``kl/k3`` itself is the GRPOMetric family's
-    (``PolicyGroup``); with ``--kl-clamp`` this group reports the clamped ``kl/k3`` instead, which replaces it
-    because this group runs after ``PolicyGroup``."""
+    """``kl/k1``, ``kl/k2``, ``kl/abs_diff_*`` and ``kl_ref/*``. ``kl/k3`` is the GRPOMetric family's
+    (``PolicyGroup``). ``--kl-clamp`` clamps the per-token ``kl_ref/*`` estimates only: the KL *loss* is what
+    peers clamp (verl ``kl_penalty`` for ``low_var_kl``, AReaL ``KLEstimator``); the train/rollout figures ``kl/*``
+    are never clamped (verl's ``rollout_corr/k3_kl`` is not)."""
 
     name = "kl_families"
 
@@ -64,8 +65,7 @@ class KLFamiliesGroup(MetricGroup):
     def omitted(self, columns: frozenset[str], config: AnalyzeConfig) -> dict[str, str]:
         out: dict[str, str] = {}
         if "old_logp" not in columns:
-            keys = ["kl/k1", "kl/k2", "kl/abs_diff_mean", "kl/abs_diff_max"]
-            out.update(dict.fromkeys(keys + (["kl/k3"] if config.kl_clamp is not None else []), _NEEDS_OLD))
+            out.update(dict.fromkeys(["kl/k1", "kl/k2", "kl/abs_diff_mean", "kl/abs_diff_max"], _NEEDS_OLD))
         if "ref_logp" not in columns:
             out.update(dict.fromkeys(("kl_ref/k1", "kl_ref/k2", "kl_ref/k3"), "needs a 'ref_logp' column"))
         return out
@@ -75,18 +75,16 @@ class KLFamiliesGroup(MetricGroup):
 
     def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: AnalyzeConfig) -> None:
         kl_families_update(
-            state,
-            new_logp=valid.new_logp,
-            old_logp=valid.old_logp,
-            ref_logp=valid.ref_logp,
-            temperature=config.temperature,
+            state, new_logp=valid.new_logp, old_logp=valid.old_logp, temperature=config.temperature
+        )
+        kl_families_update(
+            state, new_logp=valid.new_logp, ref_logp=valid.ref_logp, temperature=config.temperature,
             clamp=config.kl_clamp,
         )
 
     def compute(self, state: MetricState, config: AnalyzeConfig) -> dict[str, Any]:
         out = kl_families_compute(state)
-        if config.kl_clamp is None:
-            out.pop("kl/k3", None)  # PolicyGroup's (identical without a clamp)
+        out.pop("kl/k3", None)  # PolicyGroup's (the same value: both are the unclamped k3 of new − old)
         return out
 
 
@@ -260,7 +258,6 @@ class StalenessGroup(MetricGroup):
             epsilon=config.epsilon,
             epsilon_high=config.epsilon_high,
             temperature=config.temperature,
-            kl_clamp=config.kl_clamp,
         )
 
     def compute(self, state: MetricState, config: AnalyzeConfig) -> dict[str, Any]:
