@@ -8,7 +8,7 @@ from pathlib import Path
 
 from grpo_cli.cli import main
 from grpo_cli.core.prox import PROX_APPROX_METHODS
-from grpo_cli.metrics.keys import KEYS
+from grpo_cli.metrics.registry import KEYS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 

@@ -17,8 +17,8 @@ import pytest
 from reference import random_sequences, write_sequences
 
 from grpo_cli.cli import main
-from grpo_cli.metrics.keys import KEYS
 from grpo_cli.metrics.names import FRAMEWORKS, NAMES, rename_metrics
+from grpo_cli.metrics.registry import KEYS
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 TRANSFORM_CELLS = {"=": "", "−x": "neg", "x²": "square"}

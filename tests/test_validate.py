@@ -18,7 +18,7 @@ from grpo_cli.engine.validate import (
     validation_state,
 )
 from grpo_cli.errors import InputError
-from grpo_cli.metrics.keys import KEYS
+from grpo_cli.metrics.registry import KEYS
 
 NAN, INF = math.nan, math.inf
 

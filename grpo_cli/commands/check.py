@@ -373,7 +373,7 @@ def analyze_config(rule_set: RuleSet, *, all_figures: bool = False, **overrides:
     require_valid = "on_invalid" not in values
     values.setdefault("on_invalid", "skip")
     if not all_figures and "losses" not in values:
-        from grpo_cli.metrics.keys import KEYS
+        from grpo_cli.metrics.registry import KEYS
 
         # Unknown names are left to run_check, which lists close matches.
         named = {r.metric.split("/", 1)[1] for r in rule_set.rules if r.metric.startswith("loss/") and r.metric in KEYS}
@@ -436,8 +436,8 @@ def _compare_prox_module() -> ModuleType | None:
 
 
 def known_metrics() -> set[str]:
-    """Every key a rule may name: the documented keys (``grpo_cli.metrics.keys``) and every ``compare-prox`` key."""
-    from grpo_cli.metrics.keys import KEYS
+    """Every key a rule may name: the documented keys (``grpo_cli.metrics.registry``) and every ``compare-prox`` key."""
+    from grpo_cli.metrics.registry import KEYS
 
     known = set(KEYS)
     module = _compare_prox_module()

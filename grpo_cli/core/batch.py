@@ -97,6 +97,11 @@ class TokenBatch:
     def device(self) -> torch.device:
         return self.new_logp.device
 
+    @property
+    def ratio_base_logp(self) -> Tensor | None:
+        """The PPO ratio's base: ``prox_logp`` when present (decoupled PPO, AReaL), else ``old_logp`` (or ``None``)."""
+        return self.prox_logp if self.prox_logp is not None else self.old_logp
+
     def memo(self) -> dict[str, Any]:
         """Scratch space for values derived from this very batch object, shared by everything that reads it.
 

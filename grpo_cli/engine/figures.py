@@ -12,53 +12,61 @@ Example:
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
     "Figure",
+    "TRANSFORMS",
     "PeerName",
     "Requirement",
-    "Transform",
     "any_column",
     "column",
     "columns",
+    "neg",
     "omitted_reasons",
     "option",
+    "square",
 ]
 
 
-class Transform(str, enum.Enum):
-    """How grpo-cli's value converts into the value a peer logs under its own key."""
-
-    same = ""
-    neg = "neg"
-    """The peer logs −ours (e.g. verl's ``actor/ppo_kl`` = mean(old − new))."""
-    square = "square"
-    """The peer logs ours squared (AReaL's ``squared_error`` where we report the rmse)."""
-
-    def apply(self, value: Any) -> Any:
-        """``value`` as the peer logs it (non-numbers, bools and None pass through)."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return value
-        if self is Transform.neg:
-            return -value
-        if self is Transform.square:
-            return value * value
-        return value
+TRANSFORMS: tuple[str, ...] = ("", "neg", "square")
+"""How grpo-cli's value converts into a peer's: ``""`` the same, ``"neg"`` the peer logs −ours (verl's
+``actor/ppo_kl`` = mean(old − new)), ``"square"`` the peer logs ours squared (AReaL's ``squared_error`` where we
+report the rmse)."""
 
 
 @dataclass(frozen=True)
 class PeerName:
-    """A peer framework's key for a figure and how our value converts to theirs."""
+    """A peer framework's key for a figure and how our value converts to theirs (one of :data:`TRANSFORMS`)."""
 
     key: str
-    transform: Transform = Transform.same
+    transform: str = ""
+
+    def __post_init__(self) -> None:
+        if self.transform not in TRANSFORMS:
+            raise ValueError(f"transform must be one of {TRANSFORMS}, got {self.transform!r}")
 
     def convert(self, value: Any) -> Any:
-        return self.transform.apply(value)
+        """Our value as the peer logs it (non-numbers, bools and None pass through)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return value
+        if self.transform == "neg":
+            return -value
+        if self.transform == "square":
+            return value * value
+        return value
+
+
+def neg(key: str) -> PeerName:
+    """The peer logs −ours under ``key``."""
+    return PeerName(key, "neg")
+
+
+def square(key: str) -> PeerName:
+    """The peer logs ours squared under ``key``."""
+    return PeerName(key, "square")
 
 
 @dataclass(frozen=True)

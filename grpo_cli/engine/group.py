@@ -10,6 +10,7 @@ import torch
 
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.state import MetricState
+from grpo_cli.engine.figures import Figure, omitted_reasons
 
 __all__ = ["Accumulator", "MetricGroup"]
 
@@ -23,14 +24,21 @@ class MetricGroup:
     """
 
     name: str = ""
+    figures: tuple[Figure, ...] = ()
+    """Every figure the group can report, declared once (:class:`~grpo_cli.engine.figures.Figure`)."""
 
     def columns(self) -> frozenset[str]:
         """Canonical columns this group reads when present."""
         return frozenset()
 
     def omitted(self, columns: frozenset[str], config: Any) -> dict[str, str]:
-        """Keys this group cannot report for a dump with ``columns``, each with the reason."""
-        return {}
+        """Keys this group cannot report for a dump with ``columns``, each with the reason (from the declared
+        figures' requirements: missing columns first, then options that are off)."""
+        return omitted_reasons(self.figures, columns, config)
+
+    def expected_keys(self, config: Any) -> list[str]:
+        """The keys this group reports under ``config`` when the dump has what they need."""
+        return [figure.key for figure in self.figures if figure.is_enabled(config)]
 
     def init_state(self, config: Any, device: torch.device | str) -> MetricState:
         raise NotImplementedError

@@ -46,6 +46,7 @@ from grpo_cli.core.logp_sanity import LOGP_COLUMNS, POSITIVE_LOGP_TOLERANCE
 from grpo_cli.core.packing import broadcast_to_tokens, lengths_from_cu_seqlens, segment_sum
 from grpo_cli.core.state import MetricState, count
 from grpo_cli.engine.config import OnInvalid
+from grpo_cli.engine.figures import Figure
 from grpo_cli.engine.group import MetricGroup
 from grpo_cli.errors import InputError
 
@@ -87,11 +88,14 @@ class Check:
     per_sequence: bool = False
 
 
+_TOLERANCE_TEXT = f"{LOGP_TOLERANCE:.0e}".replace("e-0", "e-")  # "1e-4"
+
+
 def _logp_checks() -> list[Check]:
     out = []
     for column in LOGP_COLUMNS_CHECKED:
         out.append(Check(f"{column}_not_finite", column, f"NaN or ±inf {column} at a valid token"))
-        out.append(Check(f"{column}_positive", column, f"{column} > {LOGP_TOLERANCE:g} at a valid token"))
+        out.append(Check(f"{column}_positive", column, f"{column} > {_TOLERANCE_TEXT} at a valid token"))
     return out
 
 
@@ -99,8 +103,8 @@ CHECKS: tuple[Check, ...] = (
     Check("loss_mask_not_binary", "loss_mask", "a loss_mask value other than 0 and 1"),
     *_logp_checks(),
     Check("entropy_not_finite", "entropy", "NaN or ±inf entropy at a valid token"),
-    Check("entropy_negative", "entropy", f"entropy < −{LOGP_TOLERANCE:g} at a valid token"),
-    Check("advantages_not_finite", "advantages", "NaN or ±inf advantage at a valid token"),
+    Check("entropy_negative", "entropy", f"entropy < −{_TOLERANCE_TEXT} at a valid token"),
+    Check("advantages_not_finite", "advantages", "NaN or ±inf advantages at a valid token"),
     Check("versions_below_minus_one", "versions", "version < −1 at a valid token"),
     Check("versions_above_current", "versions", "version above the sequence's current_version at a valid token"),
     Check("rewards_not_finite", "rewards", "NaN or ±inf reward", per_sequence=True),
@@ -398,13 +402,15 @@ class ValidationGroup(MetricGroup):
     """
 
     name = "invalid"
+    figures = (
+        Figure("invalid/n_sequences_skipped", "sequences dropped as invalid (left out of every figure)"),
+        Figure("invalid/n_tokens_skipped", "tokens of the dropped sequences"),
+        *(Figure(f"invalid/{check.reason}", f"sequences dropped: {check.meaning}") for check in CHECKS),
+    )
 
     def columns(self) -> frozenset[str]:
         # current_version is read so that versions can be checked against it.
         return frozenset({"loss_mask", "current_version"})
-
-    def omitted(self, columns: frozenset[str], config: StreamConfig) -> dict[str, str]:
-        return {}
 
     def init_state(self, config: StreamConfig, device: torch.device | str) -> MetricState:
         return validation_state(device)

@@ -17,14 +17,18 @@ from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.offpolicy import working_logp
 from grpo_cli.core.packing import lengths_from_cu_seqlens
 from grpo_cli.core.state import MetricState
+from grpo_cli.engine.figures import Figure, Requirement, column, columns, neg
 from grpo_cli.engine.group import MetricGroup
 from grpo_cli.metrics.config import AnalyzeConfig
 from grpo_cli.metrics.loss import valid_ppo_terms
+from grpo_cli.metrics.policy import ADV, BASE
 
 __all__ = ["ActorStatsGroup"]
 
-_REWARD_KEYS = ("reward/min", "reward/max", "seq/n_correct", "seq/n_incorrect",
-                *(f"seq/{w}_total_len_{s}" for w in ("correct", "incorrect") for s in ("mean", "min", "max")))
+_P = "ppo_actor/"  # AReaL: once per PPO update
+_U = "ppo_actor/update/"  # AReaL: per micro-batch
+_REWARDS = column("rewards")
+
 
 
 class ActorStatsGroup(MetricGroup):
@@ -36,24 +40,43 @@ class ActorStatsGroup(MetricGroup):
     """
 
     name = "actor_stats"
+    figures = (
+        Figure("seq/no_eos_frac", "sequences cut off without EOS (eos column or --max-new-tokens)", reduce="fraction",
+               needs=(Requirement("needs an 'eos' column or --max-new-tokens",
+                                  lambda cols, config: "eos" in cols or config.max_new_tokens is not None),),
+               peers={"areal": _P + "no_eos_ratios/avg", "verl": "response_length/clip_ratio",
+                      "trl": "completions/clipped_ratio"}),
+        Figure("reward/min", "smallest reward", needs=(_REWARDS,),
+               peers={"areal": _P + "task_reward/min", "verl": "critic/score/min"}),
+        Figure("reward/max", "largest reward", needs=(_REWARDS,),
+               peers={"areal": _P + "task_reward/max", "verl": "critic/score/max"}),
+        Figure("seq/n_correct", "sequences with reward > 0", needs=(_REWARDS,), peers={"areal": _P + "correct_n_seqs"}),
+        Figure("seq/n_incorrect", "sequences with reward ≤ 0", needs=(_REWARDS,),
+               peers={"areal": _P + "incorrect_n_seqs"}),
+        *(Figure(f"seq/{which}_total_len_{stat}", meaning.format(which=which, cmp=cmp), needs=(_REWARDS,),
+                 peers={"areal": f"{_P}{which}_seq_len/{theirs}"})
+          for which, cmp in (("correct", ">"), ("incorrect", "≤"))
+          for stat, theirs, meaning in (("mean", "avg", "mean length (all tokens) of sequences with reward {cmp} 0"),
+                                        ("min", "min", "shortest sequence with reward {cmp} 0"),
+                                        ("max", "max", "longest sequence with reward {cmp} 0"))),
+        Figure("ratio/log_mean", "mean(new − base) = mean log r (AReaL approx_kl; verl ppo_kl = −this)", needs=(BASE,),
+               peers={"areal": _U + "approx_kl/avg", "verl": neg("actor/ppo_kl")}),
+        Figure("logp/clipped_new_mean", "mean new over the tokens AReaL's PPO clip mask selects", needs=(BASE, ADV),
+               peers={"areal": _U + "clipped_new_logp/avg"}),
+        Figure("logp/clipped_old_mean", "mean old (behaviour) over the PPO-clipped tokens",
+               needs=(columns("old_logp", "advantages"),), peers={"areal": _U + "clipped_old_logp/avg"}),
+        *(Figure(f"seq/prompt_len_{stat}", meaning, peers={"areal": f"{_P}prompt_len/{theirs}",
+                                                             "verl": f"prompt_length/{stat}"})
+          for stat, theirs, meaning in (("mean", "avg", "mean index of the first loss-mask token (prompt length)"),
+                                        ("min", "min", "shortest prompt"), ("max", "max", "longest prompt"))),
+        *(Figure(f"seq/total_len_{stat}", meaning, peers={"areal": f"{_P}seq_len/{theirs}"})
+          for stat, theirs, meaning in (("mean", "avg", "mean tokens per sequence, prompt included"),
+                                        ("min", "min", "shortest sequence (all tokens)"),
+                                        ("max", "max", "longest sequence (all tokens)"))),
+    )
 
     def columns(self) -> frozenset[str]:
         return frozenset({"old_logp", "prox_logp", "advantages", "rewards", "eos"})
-
-    def omitted(self, columns: frozenset[str], config: AnalyzeConfig) -> dict[str, str]:
-        out: dict[str, str] = {}
-        if "eos" not in columns and config.max_new_tokens is None:
-            out["seq/no_eos_frac"] = "needs an 'eos' column or --max-new-tokens"
-        if "rewards" not in columns:
-            out.update(dict.fromkeys(_REWARD_KEYS, "needs a 'rewards' column"))
-        if not {"old_logp", "prox_logp"} & columns:
-            out["ratio/log_mean"] = "needs 'old_logp' or 'prox_logp'"
-            out["logp/clipped_new_mean"] = "needs 'old_logp' or 'prox_logp'"
-        elif "advantages" not in columns:
-            out["logp/clipped_new_mean"] = "needs an 'advantages' column"
-        if "old_logp" not in columns or "advantages" not in columns:
-            out["logp/clipped_old_mean"] = "needs 'old_logp' and 'advantages' columns"
-        return out
 
     def init_state(self, config: AnalyzeConfig, device: torch.device | str) -> MetricState:
         return actor_stats_state(device)
@@ -64,7 +87,7 @@ class ActorStatsGroup(MetricGroup):
             no_eos = batch.eos == 0
         elif config.max_new_tokens is not None:  # AReaL's rule: a response that reached the limit had no EOS
             no_eos = lengths_from_cu_seqlens(valid.cu_seqlens) >= config.max_new_tokens
-        base = valid.prox_logp if valid.prox_logp is not None else valid.old_logp
+        base = valid.ratio_base_logp
         log_ratio = clip_mask = None
         if base is not None:
             log_ratio = working_logp(valid.new_logp, config.temperature) - working_logp(base, config.temperature)

@@ -13,6 +13,7 @@ import torch
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.distill import distill_loss_terms
 from grpo_cli.core.state import MetricState, count, total
+from grpo_cli.engine.figures import Figure, Requirement, column
 from grpo_cli.engine.group import MetricGroup
 from grpo_cli.metrics.config import AnalyzeConfig
 
@@ -28,16 +29,17 @@ class DistillGroup(MetricGroup):
     """
 
     name = "distill"
+    figures = (
+        Figure("kd/rkl_mean", "mean(new − teacher): single-sample estimate of KL(π_θ ‖ π_teacher)",
+               needs=(column("teacher_logp"),), peers={"areal": "ppo_actor/update/rkl_loss/avg"}),
+        Figure("loss/kd", "AReaL's distillation term: w_d·mean(new − teacher), or its IS form when w_rl = 0",
+               needs=(column("teacher_logp"),
+                      Requirement("--rl-weight 0 (importance-sampled reverse KL) needs an 'old_logp' column",
+                                  lambda cols, config: config.rl_weight != 0 or "old_logp" in cols))),
+    )
 
     def columns(self) -> frozenset[str]:
         return frozenset({"teacher_logp", "old_logp"})
-
-    def omitted(self, columns: frozenset[str], config: AnalyzeConfig) -> dict[str, str]:
-        if "teacher_logp" not in columns:
-            return dict.fromkeys(("kd/rkl_mean", "loss/kd"), "needs a 'teacher_logp' column")
-        if config.rl_weight == 0 and "old_logp" not in columns:
-            return {"loss/kd": "--rl-weight 0 (importance-sampled reverse KL) needs an 'old_logp' column"}
-        return {}
 
     def init_state(self, config: AnalyzeConfig, device: torch.device | str) -> MetricState:
         return MetricState({"n": count(), "sum_rkl": total(), "sum_kd": total()}, device)

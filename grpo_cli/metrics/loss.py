@@ -8,6 +8,7 @@ it (decoupled PPO), else ``old_logp``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,13 +18,29 @@ from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.grpo_family import grpo_family_valid_terms
 from grpo_cli.core.ppo import ppo_actor_loss_terms
 from grpo_cli.core.state import MetricState, count, total
+from grpo_cli.engine.figures import Figure, Requirement
 from grpo_cli.engine.group import MetricGroup
 from grpo_cli.metrics.config import LOSS_NAMES, AnalyzeConfig
 
 __all__ = ["LOSS_NAMES", "LossGroup", "valid_ppo_terms"]
 
 
-_NEEDS = "needs 'advantages' and a ratio base ('prox_logp' or 'old_logp')"
+_NEEDS = Requirement("needs 'advantages' and a ratio base ('prox_logp' or 'old_logp')",
+                     lambda cols, _: "advantages" in cols and bool({"old_logp", "prox_logp"} & cols))
+_LOSS_MEANINGS = {
+    "grpo": "GRPOLoss: per-sequence token mean of −min(rA, clip(r)A) (+β·k3), then batch mean",
+    "gspo": "GSPOLoss: as GRPO with the sequence geometric-mean ratio",
+    "sapo": "SAPOLoss: soft sigmoid gate instead of the hard clip (τ₊, τ₋)",
+    "cispo": "CISPOLoss: −sg(min(r, 1 + ε_high))·A·log π over the token count",
+    "bnpo": "BNPOLoss: token mean of the clipped surrogate over the whole dump",
+    "dr_grpo": "DRGRPOLoss: token sum / (sequences · max_completion_length)",
+    "ppo": "AReaL ppo_actor_loss (decoupled with prox_logp; dual clip, rejection sampling)",
+}
+_LOSS_PEERS = {"ppo": {"areal": "ppo_actor/update/actor_loss/avg", "verl": "actor/pg_loss"}}
+
+
+def _selected(name: str) -> Callable[[AnalyzeConfig], bool]:
+    return lambda config: config.losses is None or name in config.losses
 
 
 def valid_ppo_terms(valid: TokenBatch, config: AnalyzeConfig) -> tuple[Tensor, Tensor, dict[str, Any]]:
@@ -33,7 +50,7 @@ def valid_ppo_terms(valid: TokenBatch, config: AnalyzeConfig) -> tuple[Tensor, T
     the ``actor_stats`` clipped-token means). The batch must have ``advantages`` and a ratio base."""
 
     def compute() -> tuple[Tensor, Tensor, dict[str, Any]]:
-        base = valid.prox_logp if valid.prox_logp is not None else valid.old_logp
+        base = valid.ratio_base_logp
         assert base is not None and valid.advantages is not None
         return ppo_actor_loss_terms(
             valid.new_logp,
@@ -56,20 +73,20 @@ class LossGroup(MetricGroup):
     """``loss/<name>`` for every selected loss and ``clip/dual`` (with ``--c-clip``)."""
 
     name = "loss"
+    figures = (
+        *(Figure(f"loss/{name}", _LOSS_MEANINGS[name], reduce="ratio of sums", needs=(_NEEDS,),
+                 enabled=_selected(name), peers=_LOSS_PEERS.get(name, {}))
+          for name in LOSS_NAMES),
+        Figure("clip/dual", "AReaL dual clip (--c-clip): A < 0 and r > c_clip, loss capped at c_clip·|A|",
+               reduce="fraction", needs=(_NEEDS,), enabled=lambda config: config.c_clip is not None,
+               peers={"areal": "ppo_actor/update/dual_clip_ratio/avg", "verl": "actor/pg_clipfrac_lower"}),
+    )
 
     def columns(self) -> frozenset[str]:
         return frozenset({"new_logp", "old_logp", "prox_logp", "ref_logp", "advantages"})
 
     def _selected(self, config: AnalyzeConfig) -> tuple[str, ...]:
         return LOSS_NAMES if config.losses is None else tuple(config.losses)
-
-    def omitted(self, columns: frozenset[str], config: AnalyzeConfig) -> dict[str, str]:
-        keys = [f"loss/{name}" for name in self._selected(config)]
-        if config.c_clip is not None:
-            keys.append("clip/dual")
-        if "advantages" not in columns or not {"old_logp", "prox_logp"} & columns:
-            return dict.fromkeys(keys, _NEEDS)
-        return {}
 
     def init_state(self, config: AnalyzeConfig, device: torch.device | str) -> MetricState:
         specs = {}
@@ -81,7 +98,7 @@ class LossGroup(MetricGroup):
         return MetricState(specs, device)
 
     def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: AnalyzeConfig) -> None:
-        base = valid.prox_logp if valid.prox_logp is not None else valid.old_logp
+        base = valid.ratio_base_logp
         if base is None or valid.advantages is None:
             return
         # The GRPO-family variants share their log-ratio, ratio and clipped surrogate (one pass for all of them).

@@ -31,8 +31,25 @@ from grpo_cli.core.offpolicy import (
 from grpo_cli.core.sequences import sequence_stats_compute, sequence_stats_state, sequence_stats_update
 from grpo_cli.core.staleness import staleness_compute, staleness_state, staleness_update
 from grpo_cli.core.state import MetricState
+from grpo_cli.engine.figures import Figure, Requirement, column, columns, option
 from grpo_cli.engine.group import MetricGroup
 from grpo_cli.metrics.config import AnalyzeConfig
+from grpo_cli.metrics.policy import ADV, BASE, OLD
+
+_U = "ppo_actor/update/"  # AReaL's actor statistics
+_RC = "rollout_corr/"  # verl's rollout-correction metrics
+# Labels of the histogram quantiles the core reports (DEFAULT_QUANTILES).
+_QUANTILE_LABELS = {"p001": "0.1 %", "p01": "1 %", "p50": "median", "p99": "99 %", "p999": "99.9 %"}
+
+REF = column("ref_logp")
+DECOUPLED = columns("old_logp", "prox_logp", reason="needs 'prox_logp' and 'old_logp' columns (decoupled PPO)")
+REJECTION_SAMPLING = option(lambda c: c.rejection_sampling() is not None,
+                            "rejection sampling is off (set an --rs-* option)")
+M2PO = option(lambda c: c.m2_threshold is not None, "M2PO is off (set --m2-threshold)")
+LAGS = (column("versions"), Requirement("needs a 'current_version' column or --current-version",
+                                        lambda cols, c: "current_version" in cols or c.current_version is not None))
+REWARDS = column("rewards")
+GROUPS = columns("rewards", "group_id")
 
 __all__ = [
     "DecoupledGroup",
@@ -44,11 +61,6 @@ __all__ = [
     "offpolicy_groups",
 ]
 
-_NEEDS_OLD = "needs an 'old_logp' column"
-
-
-def _base(valid: TokenBatch) -> torch.Tensor | None:
-    return valid.prox_logp if valid.prox_logp is not None else valid.old_logp
 
 
 class KLFamiliesGroup(MetricGroup):
@@ -58,17 +70,23 @@ class KLFamiliesGroup(MetricGroup):
     are never clamped (verl's ``rollout_corr/k3_kl`` is not)."""
 
     name = "kl_families"
+    figures = (
+        Figure("kl/k1", "mean(−x), x = new − old: k1 estimate of KL(old ‖ new) (AReaL kl_div_direct)", needs=(OLD,),
+               peers={"areal": _U + "compute_logp/kl_div_direct/avg", "verl": _RC + "kl"}),
+        Figure("kl/k2", "mean(x²/2): k2 estimate (AReaL kl_div_taylor)", needs=(OLD,),
+               peers={"areal": _U + "compute_logp/kl_div_taylor/avg"}),
+        Figure("kl/abs_diff_mean", "mean |new − old| (slime train_rollout_logprob_abs_diff)", needs=(OLD,),
+               peers={"areal": _U + "logp_abs_diff/avg", "trl": "sampling/sampling_logp_difference/mean"}),
+        Figure("kl/abs_diff_max", "largest |new − old|", needs=(OLD,),
+               peers={"areal": _U + "logp_abs_diff/max", "trl": "sampling/sampling_logp_difference/max"}),
+        Figure("kl_ref/k1", "mean(−y), y = ref − new: k1 estimate of KL(new ‖ ref)", needs=(REF,)),
+        Figure("kl_ref/k2", "mean(y²/2)", needs=(REF,)),
+        Figure("kl_ref/k3", "mean(eʸ − 1 − y): k3 estimate of KL(new ‖ ref) (the usual KL penalty)", needs=(REF,),
+               peers={"verl": "actor/kl_loss", "trl": "kl"}),
+    )
 
     def columns(self) -> frozenset[str]:
         return frozenset({"new_logp", "old_logp", "ref_logp"})
-
-    def omitted(self, columns: frozenset[str], config: AnalyzeConfig) -> dict[str, str]:
-        out: dict[str, str] = {}
-        if "old_logp" not in columns:
-            out.update(dict.fromkeys(["kl/k1", "kl/k2", "kl/abs_diff_mean", "kl/abs_diff_max"], _NEEDS_OLD))
-        if "ref_logp" not in columns:
-            out.update(dict.fromkeys(("kl_ref/k1", "kl_ref/k2", "kl_ref/k3"), "needs a 'ref_logp' column"))
-        return out
 
     def init_state(self, config: AnalyzeConfig, device: torch.device | str) -> MetricState:
         return kl_families_state(device)
@@ -88,8 +106,6 @@ class KLFamiliesGroup(MetricGroup):
         return out
 
 
-_BEHAVE_KEYS = ("behave/imp_weight_mean", "behave/imp_weight_min", "behave/imp_weight_max", "behave/approx_kl")
-_M2PO_KEYS = ("m2po/masked_fraction", "m2po/m2_mean", "m2po/exact")
 
 
 class DecoupledGroup(MetricGroup):
@@ -97,20 +113,27 @@ class DecoupledGroup(MetricGroup):
     ``--rs-*`` options) and ``m2po/*`` (``--m2-threshold``), when the dump has ``prox_logp`` and ``old_logp``."""
 
     name = "decoupled"
+    figures = (
+        Figure("behave/imp_weight_mean", "mean exp(prox − old) (AReaL behave_imp_weight)", needs=(DECOUPLED,),
+               peers={"areal": _U + "behave_imp_weight/avg"}),
+        Figure("behave/imp_weight_min", "smallest behaviour weight", needs=(DECOUPLED,),
+               peers={"areal": _U + "behave_imp_weight/min"}),
+        Figure("behave/imp_weight_max", "largest behaviour weight", needs=(DECOUPLED,),
+               peers={"areal": _U + "behave_imp_weight/max"}),
+        Figure("behave/approx_kl", "mean(prox − old) (AReaL behave_approx_kl)", needs=(DECOUPLED,),
+               peers={"areal": _U + "behave_approx_kl/avg"}),
+        Figure("rs/filtered_fraction", "valid tokens rejected (mask) or truncated (clamp)", reduce="fraction",
+               needs=(DECOUPLED, REJECTION_SAMPLING), peers={"areal": _U + "rs_filtered_fraction"}),
+        Figure("m2po/masked_fraction", "valid tokens M2PO masks over the whole dump", reduce="fraction",
+               needs=(DECOUPLED, M2PO)),
+        Figure("m2po/m2_mean", "mean (old − prox)²; M2PO masks nothing while this is below the threshold",
+               needs=(DECOUPLED, M2PO)),
+        Figure("m2po/exact", "true when the masked count is exact (≤ 8192 tokens masked)", reduce="flag",
+               needs=(DECOUPLED, M2PO)),
+    )
 
     def columns(self) -> frozenset[str]:
         return frozenset({"old_logp", "prox_logp"})
-
-    def omitted(self, columns: frozenset[str], config: AnalyzeConfig) -> dict[str, str]:
-        if not {"old_logp", "prox_logp"} <= columns:
-            reason = "needs 'prox_logp' and 'old_logp' columns (decoupled PPO)"
-            return dict.fromkeys((*_BEHAVE_KEYS, "rs/filtered_fraction", *_M2PO_KEYS), reason)
-        out: dict[str, str] = {}
-        if config.rejection_sampling() is None:
-            out["rs/filtered_fraction"] = "rejection sampling is off (set an --rs-* option)"
-        if config.m2_threshold is None:
-            out.update(dict.fromkeys(_M2PO_KEYS, "M2PO is off (set --m2-threshold)"))
-        return out
 
     def init_state(self, config: AnalyzeConfig, device: torch.device | str) -> MetricState:
         specs = dict(behave_state().specs)
@@ -141,10 +164,6 @@ class DecoupledGroup(MetricGroup):
         return out
 
 
-_IS_KEYS = (
-    "is/mean", "is/std", "is/min", "is/max", "is/ess", "is/frac_high", "is/frac_low", "is/chi2_token", "is/chi2_seq",
-    "ppl/old", "ppl/log_diff_mean", "ppl/log_diff_abs_mean", "ppl/ratio", "prob/pearson", "spikes/n_ratio_gt_1e3",
-)  # fmt: skip
 
 
 class ImportanceGroup(MetricGroup):
@@ -152,12 +171,40 @@ class ImportanceGroup(MetricGroup):
     w = exp(new − old), ``--is-threshold``) and ``spikes/n_ratio_gt_1e3`` (§7)."""
 
     name = "importance"
+    figures = (
+        Figure("ppl/new", "mean over sequences of exp(−mean new) (verl training_ppl)", reduce="sequence mean",
+               peers={"verl": _RC + "training_ppl"}),
+        Figure("is/mean", "mean w (1 when the sampler and trainer agree)", needs=(OLD,),
+               peers={"verl": _RC + "rollout_is_mean"}),
+        Figure("is/std", "std of w clamped to [1/C, C] (verl rollout_is_std)", needs=(OLD,),
+               peers={"verl": _RC + "rollout_is_std"}),
+        Figure("is/min", "smallest w", reduce="min", needs=(OLD,), peers={"verl": _RC + "rollout_is_min"}),
+        Figure("is/max", "largest w", reduce="max", needs=(OLD,), peers={"verl": _RC + "rollout_is_max"}),
+        Figure("is/ess", "effective sample size fraction 1/mean((w̃/mean w̃)²), w̃ = clamp(w, 1/C, C)", needs=(OLD,),
+               peers={"verl": _RC + "rollout_is_eff_sample_size"}),
+        Figure("is/frac_high", "fraction with w > C (--is-threshold)", needs=(OLD,),
+               peers={"verl": _RC + "rollout_is_ratio_fraction_high"}),
+        Figure("is/frac_low", "fraction with w < 1/C", needs=(OLD,),
+               peers={"verl": _RC + "rollout_is_ratio_fraction_low"}),
+        Figure("is/chi2_token", "mean(w²) − 1: token-level χ² divergence", needs=(OLD,),
+               peers={"verl": _RC + "chi2_token"}),
+        Figure("is/chi2_seq", "mean over sequences of exp(2·clamp(Σ log w, ±20)) − 1", reduce="sequence mean",
+               needs=(OLD,), peers={"verl": _RC + "chi2_seq"}),
+        Figure("ppl/old", "mean over sequences of exp(−mean old) (verl rollout_ppl)", reduce="sequence mean",
+               needs=(OLD,), peers={"verl": _RC + "rollout_ppl"}),
+        Figure("ppl/log_diff_mean", "mean over sequences of (mean old − mean new) = log(ppl_new/ppl_old)",
+               reduce="sequence mean", needs=(OLD,), peers={"verl": _RC + "log_ppl_diff"}),
+        Figure("ppl/log_diff_abs_mean", "mean over sequences of |mean old − mean new|", reduce="sequence mean",
+               needs=(OLD,), peers={"verl": _RC + "log_ppl_abs_diff"}),
+        Figure("ppl/ratio", "mean over sequences of ppl_new / ppl_old", reduce="sequence mean", needs=(OLD,),
+               peers={"verl": _RC + "ppl_ratio"}),
+        Figure("prob/pearson", "Pearson correlation of token probabilities e^new vs e^old", reduce="correlation",
+               needs=(OLD,), peers={"verl": "training/rollout_actor_probs_pearson_corr"}),
+        Figure("spikes/n_ratio_gt_1e3", "tokens with exp(new − old) > 1e3 (listed first in top_kl)", needs=(OLD,)),
+    )
 
     def columns(self) -> frozenset[str]:
         return frozenset({"new_logp", "old_logp"})
-
-    def omitted(self, columns: frozenset[str], config: AnalyzeConfig) -> dict[str, str]:
-        return {} if "old_logp" in columns else dict.fromkeys(_IS_KEYS, _NEEDS_OLD)
 
     def init_state(self, config: AnalyzeConfig, device: torch.device | str) -> MetricState:
         return importance_state(device)
@@ -176,8 +223,6 @@ class ImportanceGroup(MetricGroup):
         return importance_compute(state)
 
 
-_RATIO_KEYS = tuple(f"ratio/{k}" for k in (*DEFAULT_QUANTILES, "mean", "min", "std", "hist"))
-_ABS_DIFF_KEYS = tuple(f"abs_diff/{k}" for k in (*DEFAULT_QUANTILES, "mean", "min", "max", "std", "hist"))
 
 
 class DistributionGroup(MetricGroup):
@@ -185,17 +230,24 @@ class DistributionGroup(MetricGroup):
     exact moments and extrema, quantiles from fixed-edge histograms (``quantile_rel_error`` in the JSON config)."""
 
     name = "distributions"
+    figures = (
+        *(Figure(f"ratio/{q}", f"{label} quantile of the PPO ratio (histogram, see config)", needs=(BASE,))
+          for q, label in ((q, _QUANTILE_LABELS[q]) for q in DEFAULT_QUANTILES)),
+        Figure("ratio/mean", "mean PPO ratio", needs=(BASE,), peers={"areal": _U + "importance_weight/avg"}),
+        Figure("ratio/min", "smallest PPO ratio", needs=(BASE,), peers={"areal": _U + "importance_weight/min"}),
+        Figure("ratio/std", "std of the PPO ratio", needs=(BASE,)),
+        Figure("ratio/hist", "log-spaced histogram of the PPO ratio (display)", needs=(BASE,)),
+        *(Figure(f"abs_diff/{q}", f"{label} quantile of |new − old| (histogram, see config)", needs=(OLD,))
+          for q, label in ((q, _QUANTILE_LABELS[q]) for q in DEFAULT_QUANTILES)),
+        Figure("abs_diff/mean", "mean |new − old|", needs=(OLD,)),
+        Figure("abs_diff/min", "smallest |new − old|", needs=(OLD,)),
+        Figure("abs_diff/max", "largest |new − old|", needs=(OLD,)),
+        Figure("abs_diff/std", "std of |new − old|", needs=(OLD,)),
+        Figure("abs_diff/hist", "log-spaced histogram of |new − old| (display)", needs=(OLD,)),
+    )
 
     def columns(self) -> frozenset[str]:
         return frozenset({"new_logp", "old_logp", "prox_logp"})
-
-    def omitted(self, columns: frozenset[str], config: AnalyzeConfig) -> dict[str, str]:
-        out: dict[str, str] = {}
-        if not {"old_logp", "prox_logp"} & columns:
-            out.update(dict.fromkeys(_RATIO_KEYS, "needs 'old_logp' or 'prox_logp'"))
-        if "old_logp" not in columns:
-            out.update(dict.fromkeys(_ABS_DIFF_KEYS, _NEEDS_OLD))
-        return out
 
     def init_state(self, config: AnalyzeConfig, device: torch.device | str) -> MetricState:
         return distributions_state(device)
@@ -205,7 +257,7 @@ class DistributionGroup(MetricGroup):
             state,
             new_logp=valid.new_logp,
             old_logp=valid.old_logp,
-            ratio_base_logp=_base(valid),
+            ratio_base_logp=valid.ratio_base_logp,
             temperature=config.temperature,
         )
 
@@ -213,11 +265,6 @@ class DistributionGroup(MetricGroup):
         return distributions_compute(state)
 
 
-_STALENESS_KEYS = (
-    "staleness/n_tokens", "staleness/theta_mean", "staleness/theta_min", "staleness/theta_max",
-    "staleness/proximal_mean", "staleness/proximal_min", "staleness/proximal_max", "staleness/hist", "by_staleness",
-)  # fmt: skip
-_SANITY_KEYS = ("sanity/n_on_policy_tokens", "sanity/on_policy_ratio_dev")
 
 
 class StalenessGroup(MetricGroup):
@@ -225,19 +272,29 @@ class StalenessGroup(MetricGroup):
     ``current_version`` column, else ``--current-version``)."""
 
     name = "staleness"
+    figures = (
+        Figure("staleness/n_tokens", "valid generated tokens (versions ≥ 0)", needs=LAGS,
+               peers={"areal": _U + "version_stats/n_valid_generated_tokens"}),
+        *(Figure(f"staleness/{lag}_{ours}", meaning, needs=LAGS,
+                 peers={"areal": f"{_U}version_stats/sample_staleness_{lag}_{theirs}"})
+          for lag, ours, theirs, meaning in (
+              ("theta", "mean", "avg", "mean lag current − version (token-weighted)"),
+              ("theta", "min", "min", "smallest lag"),
+              ("theta", "max", "max", "largest lag"),
+              ("proximal", "mean", "avg", "mean current − 1 − version (lag behind the proximal policy)"),
+              ("proximal", "min", "min", "smallest proximal lag"),
+              ("proximal", "max", "max", "largest proximal lag"))),
+        Figure("staleness/hist", "tokens per lag", needs=LAGS),
+        Figure("by_staleness", "per lag: tokens, kl/k3, clip/ratio, is/mean, abs_diff/mean", section="staleness",
+               reduce="table", needs=LAGS),
+        Figure("sanity/n_on_policy_tokens", "valid tokens sampled by the trainer's own version (lag 0)",
+               needs=(*LAGS, OLD)),
+        Figure("sanity/on_policy_ratio_dev", "max |exp(new − old) − 1| over lag-0 tokens (≈ 0 if aligned)",
+               reduce="max", needs=(*LAGS, OLD)),
+    )
 
     def columns(self) -> frozenset[str]:
         return frozenset({"new_logp", "old_logp", "prox_logp", "versions", "current_version", "advantages"})
-
-    def omitted(self, columns: frozenset[str], config: AnalyzeConfig) -> dict[str, str]:
-        reason = None
-        if "versions" not in columns:
-            reason = "needs a 'versions' column"
-        elif "current_version" not in columns and config.current_version is None:
-            reason = "needs a 'current_version' column or --current-version"
-        if reason is not None:
-            return dict.fromkeys((*_STALENESS_KEYS, *_SANITY_KEYS), reason)
-        return {} if "old_logp" in columns else dict.fromkeys(_SANITY_KEYS, _NEEDS_OLD)
 
     def init_state(self, config: AnalyzeConfig, device: torch.device | str) -> MetricState:
         return staleness_state(device)
@@ -253,7 +310,7 @@ class StalenessGroup(MetricGroup):
             current_version=current,
             cu_seqlens=valid.cu_seqlens,
             old_logp=valid.old_logp,
-            ratio_base_logp=_base(valid),
+            ratio_base_logp=valid.ratio_base_logp,
             advantages=valid.advantages,
             epsilon=config.epsilon,
             epsilon_high=config.epsilon_high,
@@ -264,26 +321,35 @@ class StalenessGroup(MetricGroup):
         return staleness_compute(state)
 
 
-_ADV_KEYS = ("adv/mean", "adv/std", "adv/pos_frac", "adv/neg_frac", "adv/zero_frac")
 
 
 class SequenceGroup(MetricGroup):
     """Sequences and groups (§6): ``adv/*``, ``seq/len_*``, ``reward/*``, ``groups/*``."""
 
     name = "sequences"
+    figures = (
+        Figure("adv/mean", "mean advantage", needs=(ADV,),
+               peers={"areal": "ppo_actor/advantages/avg", "verl": "critic/advantages/mean"}),
+        Figure("adv/std", "std of the advantages", needs=(ADV,)),
+        Figure("adv/pos_frac", "fraction with A > 0", needs=(ADV,)),
+        Figure("adv/neg_frac", "fraction with A < 0", needs=(ADV,)),
+        Figure("adv/zero_frac", "fraction with A = 0 (no policy-gradient signal)", needs=(ADV,)),
+        Figure("reward/mean", "mean reward per sequence", reduce="sequence mean", needs=(REWARDS,),
+               peers={"areal": "ppo_actor/task_reward/avg", "verl": "critic/score/mean", "trl": "reward"}),
+        Figure("reward/std", "std of the rewards", needs=(REWARDS,)),
+        Figure("groups/n", "distinct group_id values", needs=(GROUPS,)),
+        Figure("groups/zero_std_frac", "groups whose rewards are all equal (no learning signal)", needs=(GROUPS,),
+               peers={"trl": "frac_reward_zero_std"}),
+        Figure("seq/len_mean", "mean valid (response) tokens per sequence", reduce="sequence mean",
+               peers={"verl": "response_length/mean", "trl": "completions/mean_length"}),
+        Figure("seq/len_min", "fewest valid tokens in a sequence",
+               peers={"verl": "response_length/min", "trl": "completions/min_length"}),
+        Figure("seq/len_max", "most valid tokens in a sequence",
+               peers={"verl": "response_length/max", "trl": "completions/max_length"}),
+    )
 
     def columns(self) -> frozenset[str]:
         return frozenset({"advantages", "rewards", "group_id"})
-
-    def omitted(self, columns: frozenset[str], config: AnalyzeConfig) -> dict[str, str]:
-        out: dict[str, str] = {}
-        if "advantages" not in columns:
-            out.update(dict.fromkeys(_ADV_KEYS, "needs an 'advantages' column"))
-        if "rewards" not in columns:
-            out.update(dict.fromkeys(("reward/mean", "reward/std"), "needs a 'rewards' column"))
-        if not {"rewards", "group_id"} <= columns:
-            out.update(dict.fromkeys(("groups/n", "groups/zero_std_frac"), "needs 'group_id' and 'rewards' columns"))
-        return out
 
     def init_state(self, config: AnalyzeConfig, device: torch.device | str) -> MetricState:
         return sequence_stats_state(device)

@@ -9,22 +9,27 @@ import torch
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.policy_stats import policy_stats_compute, policy_stats_state, policy_stats_update
 from grpo_cli.core.state import MetricState, count
+from grpo_cli.engine.figures import Figure, any_column, column, neg, option
 from grpo_cli.engine.group import MetricGroup
 from grpo_cli.metrics.config import AnalyzeConfig
 
-__all__ = ["CountsGroup", "PolicyGroup"]
+__all__ = ["ADV", "BASE", "OLD", "CountsGroup", "PolicyGroup"]
+
+OLD = column("old_logp")
+BASE = any_column("old_logp", "prox_logp")
+"""The PPO ratio's base: ``prox_logp`` when the dump has it (decoupled PPO), else ``old_logp``."""
+ADV = column("advantages")
+_U = "ppo_actor/update/"  # AReaL: per-micro-batch actor statistics
 
 
 class CountsGroup(MetricGroup):
     """``n_sequences`` and ``n_tokens`` (all tokens, masked or not)."""
 
     name = "counts"
-
-    def columns(self) -> frozenset[str]:
-        return frozenset()
-
-    def omitted(self, columns: frozenset[str], config: AnalyzeConfig) -> dict[str, str]:
-        return {}
+    figures = (
+        Figure("n_sequences", "sequences (rows) read", section="dump", peers={"areal": "ppo_actor/n_seqs"}),
+        Figure("n_tokens", "tokens read, masked or not", section="dump", peers={"areal": _U + "n_tokens"}),
+    )
 
     def init_state(self, config: AnalyzeConfig, device: torch.device | str) -> MetricState:
         return MetricState({"n_sequences": count(), "n_tokens": count()}, device)
@@ -36,11 +41,6 @@ class CountsGroup(MetricGroup):
         return {"n_sequences": int(state["n_sequences"]), "n_tokens": int(state["n_tokens"])}
 
 
-_NEEDS_OLD = ("logp/old_mean", "logp/diff_mean", "kl/k3", "kl/k3_token_max", "top_kl")
-_NEEDS_RATIO = ("ratio/max", "clip/cispo", "clip/cispo_low", "clip/cispo_high")
-_NEEDS_ADV = ("clip/ratio", "clip/low", "clip/high", "clip/seq_ratio", "clip/seq_low", "clip/seq_high")
-
-
 class PolicyGroup(MetricGroup):
     """The GRPOMetric family (``core.policy_stats``): log-prob means, k3 KL, ratio maximum, clip fractions.
 
@@ -49,23 +49,45 @@ class PolicyGroup(MetricGroup):
     """
 
     name = "policy"
+    figures = (
+        Figure("n_valid_tokens", "tokens with loss_mask = 1 (every other figure is over these)", section="dump",
+               peers={"areal": _U + "n_valid_tokens"}),
+        Figure("logp/new_mean", "mean log π_θ", peers={"areal": _U + "new_logp/avg", "twinkle": "train/mean_new_logp"}),
+        Figure("policy_confidence", "exp(mean log π_θ): geometric-mean token probability", section="logp",
+               peers={"twinkle": "train/policy_confidence"}),
+        Figure("entropy/mean", "mean token entropy of π_θ", section="logp", needs=(column("entropy"),),
+               peers={"areal": _U + "entropy/avg", "verl": "actor/entropy", "trl": "entropy",
+                      "twinkle": "train/entropy"}),
+        Figure("logp/old_mean", "mean behaviour log-prob", needs=(OLD,),
+               peers={"areal": _U + "old_logp/avg", "twinkle": "train/mean_old_logp"}),
+        Figure("logp/diff_mean", "mean (new − old); > 0: trainer likes the samples more than the sampler did",
+               needs=(OLD,), peers={"areal": neg(_U + "logp_diff/avg"), "twinkle": "train/logp_diff_mean"}),
+        Figure("kl/k3", "mean(e^d − 1 − d), d = new − old: k3 estimate of KL(old ‖ new)", needs=(OLD,),
+               peers={"areal": _U + "compute_logp/kl_div_dual/avg", "verl": "rollout_corr/k3_kl",
+                      "twinkle": "train/approx_kl"}),
+        Figure("kl/k3_token_max", "largest per-token k3", needs=(OLD,), peers={"twinkle": "train/token_kl_max"}),
+        Figure("top_kl", "the highest-k3 tokens", section="kl", reduce="table",
+               needs=(OLD, option(lambda c: c.top_k > 0, "disabled with --top-k 0"))),
+        Figure("ratio/max", "largest per-token ratio", needs=(BASE,),
+               peers={"areal": _U + "importance_weight/max", "twinkle": "train/token_ratio_max"}),
+        Figure("clip/cispo", "CISPO: r outside [1 − ε, 1 + ε_high], regardless of A", reduce="fraction", needs=(BASE,)),
+        Figure("clip/cispo_low", "CISPO: r < 1 − ε", reduce="fraction", needs=(BASE,)),
+        Figure("clip/cispo_high", "CISPO: r > 1 + ε_high", reduce="fraction", needs=(BASE,)),
+        Figure("clip/ratio", "tokens clipped by PPO: clip/low + clip/high", needs=(BASE, ADV),
+               peers={"areal": _U + "clip_ratio/avg", "verl": "actor/pg_clipfrac", "trl": "clip_ratio/region_mean",
+                      "twinkle": "train/clip_ratio"}),
+        Figure("clip/low", "r < 1 − ε with A < 0", reduce="fraction", needs=(BASE, ADV),
+               peers={"trl": "clip_ratio/low_mean", "twinkle": "train/clip_ratio_low"}),
+        Figure("clip/high", "r > 1 + ε_high with A > 0", reduce="fraction", needs=(BASE, ADV),
+               peers={"trl": "clip_ratio/high_mean", "twinkle": "train/clip_ratio_high"}),
+        Figure("clip/seq_ratio", "GSPO: sequences whose geometric-mean ratio is clipped", reduce="fraction",
+               needs=(BASE, ADV)),
+        Figure("clip/seq_low", "GSPO: s < 1 − ε with mean A < 0", reduce="fraction", needs=(BASE, ADV)),
+        Figure("clip/seq_high", "GSPO: s > 1 + ε_high with mean A > 0", reduce="fraction", needs=(BASE, ADV)),
+    )
 
     def columns(self) -> frozenset[str]:
         return frozenset({"new_logp", "old_logp", "prox_logp", "advantages", "entropy"})
-
-    def omitted(self, columns: frozenset[str], config: AnalyzeConfig) -> dict[str, str]:
-        out: dict[str, str] = {}
-        if "entropy" not in columns:
-            out["entropy/mean"] = "needs an 'entropy' column"
-        if "old_logp" not in columns:
-            out.update(dict.fromkeys(_NEEDS_OLD, "needs an 'old_logp' column"))
-        if not {"old_logp", "prox_logp"} & columns:
-            out.update(dict.fromkeys(_NEEDS_RATIO + _NEEDS_ADV, "needs 'old_logp' or 'prox_logp'"))
-        elif "advantages" not in columns:
-            out.update(dict.fromkeys(_NEEDS_ADV, "needs an 'advantages' column"))
-        if config.top_k == 0:
-            out.setdefault("top_kl", "disabled with --top-k 0")
-        return out
 
     def init_state(self, config: AnalyzeConfig, device: torch.device | str) -> MetricState:
         return policy_stats_state(config.top_k, device)
@@ -76,7 +98,7 @@ class PolicyGroup(MetricGroup):
             new_logp=valid.new_logp,
             cu_seqlens=valid.cu_seqlens,
             old_logp=valid.old_logp,
-            ratio_base_logp=valid.prox_logp if valid.prox_logp is not None else valid.old_logp,
+            ratio_base_logp=valid.ratio_base_logp,
             advantages=valid.advantages,
             entropy=valid.entropy,
             epsilon=config.epsilon,

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -26,12 +26,75 @@ from grpo_cli.core.prox_compare import (
 )
 from grpo_cli.core.state import MetricState
 from grpo_cli.engine.config import DEFAULT_BATCH_TOKENS, PPOOptions, check_finite, validate_stream
+from grpo_cli.engine.figures import Figure, PeerName, Requirement, option, square
 from grpo_cli.engine.group import MetricGroup
 from grpo_cli.engine.validate import ValidationGroup
 from grpo_cli.errors import InputError, UsageError
 from grpo_cli.metrics.policy import CountsGroup
 
-__all__ = ["MAX_MAX_LAG", "CompareProxConfig", "ProxCompareGroup", "compare_prox_groups", "expected_keys"]
+__all__ = [
+    "MAX_MAX_LAG",
+    "PROX_FIGURE_MEANINGS",
+    "CompareProxConfig",
+    "ProxCompareGroup",
+    "compare_prox_groups",
+    "expected_keys",
+]
+
+PROX_FIGURE_MEANINGS: dict[str, str] = {
+    "abs_error_mean": "mean |ℓp* − ℓp̂| over valid generated tokens (nats)",
+    "abs_error_max": "largest |ℓp* − ℓp̂|",
+    "abs_error_p99": "99th percentile of |ℓp* − ℓp̂| (log-spaced histogram, ±0.58 % relative)",
+    "rel_error_mean": "mean |ℓp* − ℓp̂| / (|ℓp*| + 1e−8), a fraction (AReaL compute_logp/<m>/rel_error)",
+    "rmse": "√ mean (ℓp* − ℓp̂)²",
+    "behave_imp_weight_abs_error_mean": "mean |w* − ŵ|, w = exp(ℓp − ℓb) = π_prox/π_behave",
+    "behave_imp_weight_rel_error_mean": "mean |w* − ŵ| / (|w*| + 1e−8)",
+    "importance_weight_abs_error_mean": "mean |r* − r̂|, r = exp(ℓθ − ℓp), the PPO ratio",
+    "importance_weight_rel_error_mean": "mean |r* − r̂| / (|r*| + 1e−8)",
+    "clip_flip_frac": "tokens whose PPO clip decision (clip or dual clip) differs from the truth's",
+    "behave_weight_flip_frac": "tokens whose rejection-sampling outcome (dropped/truncated) differs",
+    "loss_ppo": "AReaL's loss/ppo computed with ℓp̂ instead of ℓp*",
+    "loss_abs_error": "|loss/ppo(ℓp̂) − loss/ppo(ℓp*)|",
+    "loss_rel_error": "|loss/ppo(ℓp̂) − loss/ppo(ℓp*)| / (|loss/ppo(ℓp*)| + 1e−8)",
+    "by_staleness": "per lag k = v_θ − v_b: n_tokens, abs_error_mean, rmse, clip_flip_frac",
+    "max_safe_lag": "largest lag k ≥ 1 with abs_error_mean ≤ --tolerance at every lag in [1, k]",
+}
+"""What each per-method figure ``prox/<method>/<figure>`` means (also the compare-prox table's explanations)."""
+
+_LOSS_NEEDS = (Requirement("needs an 'advantages' column (the PPO loss and its clip decisions use A)",
+                           lambda cols, _: "advantages" in cols),)
+_RS_NEEDS = (option(lambda c: c.rejection_sampling() is not None,
+                    "rejection sampling is off (set --rs-upper, --rs-metric, ... to enable it)"),)
+# AReaL's names for the compare-prox figures (prox_logp_method=metrics): compute_logp/<method>/<stat>.
+_AREAL = {"abs_error_mean": "abs_error/avg", "abs_error_max": "abs_error/max", "rel_error_mean": "rel_error/avg",
+          "behave_imp_weight_abs_error_mean": "behave_imp_weight_abs_error/avg",
+          "behave_imp_weight_rel_error_mean": "behave_imp_weight_rel_error/avg",
+          "importance_weight_abs_error_mean": "importance_weight_abs_error/avg",
+          "importance_weight_rel_error_mean": "importance_weight_rel_error/avg"}
+
+
+def method_figures(method: str) -> tuple[Figure, ...]:
+    """The declared ``prox/<method>/*`` figures."""
+    out = []
+    for name in PROX_COMPARE_FIGURES:
+        needs = _LOSS_NEEDS if name in LOSS_FIGURES else _RS_NEEDS if name in REJECTION_FIGURES else ()
+        peers: dict[str, PeerName | str] = {}
+        if name in _AREAL:
+            peers["areal"] = f"ppo_actor/update/compute_logp/{method}/{_AREAL[name]}"
+        elif name == "rmse":
+            peers["areal"] = square(f"ppo_actor/update/compute_logp/{method}/squared_error/avg")
+        reduce = "table" if name == "by_staleness" else "lag" if name == "max_safe_lag" else None
+        out.append(Figure(f"prox/{method}/{name}", f"{method}: {PROX_FIGURE_MEANINGS[name]}", section="prox",
+                          needs=needs, reduce=reduce, peers=peers))
+    return tuple(out)
+
+
+SHARED_FIGURES = (
+    Figure("prox/n_tokens", "valid generated tokens compared (loss_mask = 1, versions ≥ 0)"),
+    Figure("prox/loss_ppo", "AReaL's loss/ppo with the recomputed prox_logp (the truth)", reduce="ratio of sums",
+           needs=_LOSS_NEEDS),
+)
+"""The figures every method shares (reported once, by the first group of a pass)."""
 
 MAX_MAX_LAG = 4096
 """Upper limit of ``--max-lag`` (the state holds max_lag + 2 bins per method)."""
@@ -92,31 +155,28 @@ class ProxCompareGroup(MetricGroup):
     ``methods`` restricts the group to some of ``--method``'s approximations (default: all of them).
     :func:`compare_prox_groups` makes one group per method, so the metric threads compare the methods in
     parallel; the method-independent work on a batch (:func:`~grpo_cli.core.prox_compare.prox_compare_prepare`)
-    is done once and shared (:meth:`~grpo_cli.core.batch.TokenBatch.memoised`), and every group reports the same
-    shared figures (``prox/n_tokens``, ``prox/loss_ppo``).
+    is done once and shared (:meth:`~grpo_cli.core.batch.TokenBatch.memoised`). The figures all methods share
+    (``prox/n_tokens``, ``prox/loss_ppo``) are reported by the ``shared`` group alone.
     """
 
-    def __init__(self, methods: Sequence[str] | None = None) -> None:
+    def __init__(self, methods: Sequence[str] | None = None, *, shared: bool = True) -> None:
         self.methods = None if methods is None else tuple(methods)
+        self.shared = shared
         self.name = "prox" if self.methods is None else f"prox/{'+'.join(self.methods)}"
+        every = PROX_APPROX_METHODS if self.methods is None else self.methods
+        per_method = tuple(
+            replace(figure, enabled=self._enabled(method)) for method in every for figure in method_figures(method)
+        )
+        self.figures = (SHARED_FIGURES if shared else ()) + per_method
+
+    def _enabled(self, method: str) -> Callable[[CompareProxConfig], bool]:
+        return lambda config: method in self._methods(config)
 
     def _methods(self, config: CompareProxConfig) -> tuple[str, ...]:
         return tuple(config.methods) if self.methods is None else tuple(self.methods)
 
     def columns(self) -> frozenset[str]:
         return frozenset({"new_logp", "old_logp", "prox_logp", "versions", "advantages", "current_version"})
-
-    def omitted(self, columns: frozenset[str], config: CompareProxConfig) -> dict[str, str]:
-        out: dict[str, str] = {}
-        if "advantages" not in columns:
-            out["prox/loss_ppo"] = "needs an 'advantages' column (the PPO loss and its clip decisions use A)"
-            for m in self._methods(config):
-                out.update(dict.fromkeys((f"prox/{m}/{f}" for f in LOSS_FIGURES), out["prox/loss_ppo"]))
-        if config.rejection_sampling() is None:
-            reason = "rejection sampling is off (set --rs-upper, --rs-metric, ... to enable it)"
-            for m in self._methods(config):
-                out.update(dict.fromkeys((f"prox/{m}/{f}" for f in REJECTION_FIGURES), reason))
-        return out
 
     def init_state(self, config: CompareProxConfig, device: torch.device | str) -> MetricState:
         return prox_compare_state(self._methods(config), max_lag=config.max_lag, device=device)
@@ -149,7 +209,11 @@ class ProxCompareGroup(MetricGroup):
         prox_compare_fold(state, valid.memoised("prox_compare", prepare))
 
     def compute(self, state: MetricState, config: CompareProxConfig) -> dict[str, Any]:
-        return prox_compare_compute(state, tolerance=config.tolerance)
+        out = prox_compare_compute(state, tolerance=config.tolerance)
+        if not self.shared:
+            for figure in SHARED_FIGURES:
+                out.pop(figure.key, None)
+        return out
 
 
 def expected_keys(config: CompareProxConfig) -> list[str]:
@@ -160,5 +224,8 @@ def expected_keys(config: CompareProxConfig) -> list[str]:
 def compare_prox_groups(methods: Sequence[str] | None = None) -> list[Any]:
     """The metric groups of a ``compare-prox`` pass, in report order (validation and counts as ``analyze``): one
     :class:`ProxCompareGroup` per method of ``methods``, or one for every method of the config (default)."""
-    prox = [ProxCompareGroup()] if methods is None else [ProxCompareGroup((m,)) for m in methods]
+    if methods is None:
+        prox = [ProxCompareGroup()]
+    else:
+        prox = [ProxCompareGroup((m,), shared=i == 0) for i, m in enumerate(methods)]
     return [ValidationGroup(), CountsGroup(), *prox]

@@ -18,7 +18,7 @@ from typing import Any
 from grpo_cli import __version__
 from grpo_cli._format import format_value
 from grpo_cli.commands.report import Report, per_step_series
-from grpo_cli.metrics.keys import KEYS, SECTIONS, section_of
+from grpo_cli.metrics.registry import KEYS, SECTIONS, section_of
 from grpo_cli.render import charts
 from grpo_cli.render.documents import analyze_document, compare_prox_document
 

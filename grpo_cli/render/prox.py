@@ -16,7 +16,7 @@ from rich.text import Text
 
 from grpo_cli._format import format_value
 from grpo_cli.commands.compare_prox import lag_label
-from grpo_cli.metrics.keys import PROX_FIGURE_MEANINGS
+from grpo_cli.metrics.prox import PROX_FIGURE_MEANINGS
 from grpo_cli.render.tables import render_omitted
 
 __all__ = ["SUMMARY_ROWS", "render_compare_prox_table"]
@@ -38,7 +38,7 @@ SUMMARY_ROWS: tuple[str, ...] = (
     "loss_rel_error",
     "max_safe_lag",
 )
-"""The summary table's rows (figures; their meanings come from :data:`grpo_cli.metrics.keys.PROX_FIGURE_MEANINGS`)."""
+"""The summary table's rows (figures; their meanings come from :data:`grpo_cli.metrics.prox.PROX_FIGURE_MEANINGS`)."""
 
 
 def _short(value: Any) -> str:

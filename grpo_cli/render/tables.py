@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from grpo_cli._format import format_value
-from grpo_cli.metrics.keys import KEYS, SECTIONS, section_of
+from grpo_cli.metrics.registry import KEYS, SECTIONS, section_of
 from grpo_cli.render.terminal import render_distributions, render_trends
 
 __all__ = ["render_group_table", "render_omitted", "render_table"]
