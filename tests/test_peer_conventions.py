@@ -123,3 +123,49 @@ def test_straight_through_kl_clamped() -> None:
     assert out.item() == 10.0 and lp.grad.item() == -15.0
     with pytest.raises(ValueError, match="Unknown KL estimator"):
         kl_estimate(lp, lp, "k4+")
+
+
+# --- TRL use_bias_correction_kl ------------------------------------------------------------------------------
+
+
+def _grpo_kl_loss(lp_value: float, old_value: float | None, **kw: object) -> tuple[float, float]:
+    from grpo_cli.core import grpo_family_loss_terms
+
+    lp = torch.tensor([lp_value], dtype=F64, requires_grad=True)
+    old = None if old_value is None else torch.tensor([old_value], dtype=F64)
+    num, den = grpo_family_loss_terms(
+        "grpo",
+        lp,
+        old,
+        torch.tensor([-2.0], dtype=F64),
+        torch.zeros(1, dtype=F64),
+        torch.ones(1, dtype=torch.bool),
+        torch.tensor([0, 1]),
+        beta=1.0,
+        **kw,
+    )
+    loss = num / den
+    loss.backward()
+    return loss.item(), lp.grad.item()
+
+
+def test_bias_correction_kl_on_policy() -> None:
+    # ℓ = -1, ℓ_ref = -2, A = 0, r = 1: k3 = e^-1 - 1 + 1 = e^-1; d k3/dℓ = 1 - e^-1;
+    # with the ratio: d(k3·r)/dℓ = (1 - e^-1)·1 + e^-1·1 = 1.
+    k3 = math.exp(-1.0)
+    assert _grpo_kl_loss(-1.0, None, convention="trl") == pytest.approx((k3, 1.0), rel=1e-12)
+    assert _grpo_kl_loss(-1.0, None, use_bias_correction_kl=True) == pytest.approx((k3, 1.0), rel=1e-12)
+    assert _grpo_kl_loss(-1.0, None) == pytest.approx((k3, 1 - k3), rel=1e-12)
+    assert _grpo_kl_loss(-1.0, None, convention="twinkle") == pytest.approx((k3, 1 - k3), rel=1e-12)
+    assert _grpo_kl_loss(-1.0, None, convention="trl", use_bias_correction_kl=False) == pytest.approx(
+        (k3, 1 - k3), rel=1e-12
+    )
+
+
+def test_bias_correction_kl_off_policy() -> None:
+    # ℓ = -1, ℓ_old = -1 - ln 2: r = 2 (A = 0, so the surrogate is 0); loss = 2·k3, gradient 2·(1 - e^-1) + 2·e^-1.
+    k3 = math.exp(-1.0)
+    loss, grad = _grpo_kl_loss(-1.0, -1.0 - math.log(2.0), convention="trl")
+    assert loss == pytest.approx(2 * k3, rel=1e-12) and grad == pytest.approx(2.0, rel=1e-12)
+    with pytest.raises(ValueError, match="convention"):
+        _grpo_kl_loss(-1.0, None, convention="verl")
