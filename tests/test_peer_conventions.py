@@ -169,3 +169,43 @@ def test_bias_correction_kl_off_policy() -> None:
     assert loss == pytest.approx(2 * k3, rel=1e-12) and grad == pytest.approx(2.0, rel=1e-12)
     with pytest.raises(ValueError, match="convention"):
         _grpo_kl_loss(-1.0, None, convention="verl")
+
+
+# --- AReaL statistics masks ----------------------------------------------------------------------------------
+
+
+def _rs_case() -> tuple[torch.Tensor, ...]:
+    # ℓθ = [ln 1.5, ln 3, 0], ℓp = 0, ℓb = [0, -ln 3, 0]: w_b = [1, 3, 1]; with upper 2 token 1 is rejected.
+    lp = torch.log(torch.tensor([1.5, 3.0, 1.0], dtype=F64))
+    prox = torch.zeros(3, dtype=F64)
+    behave = torch.tensor([0.0, -math.log(3.0), 0.0], dtype=F64)
+    return lp, prox, behave, torch.ones(3, dtype=F64), torch.ones(3, dtype=torch.bool)
+
+
+def test_cispo_importance_weight_on_pre_filter_mask() -> None:
+    from grpo_cli.core import RejectionSamplingConfig, cispo_loss
+
+    lp, prox, behave, adv, mask = _rs_case()
+    lp.requires_grad_(True)
+    loss, st = cispo_loss(
+        lp, prox, behave, adv, 0.2, mask, eps_clip_higher=0.28, rejection_sampling=RejectionSamplingConfig(upper=2.0)
+    )
+    # the rejected token shows its ratio 3 (not 1); the loss and gradient do not see it
+    assert st["importance_weight"].tolist() == pytest.approx([1.5, 3.0, 1.0], rel=1e-12)
+    assert st["clip_mask"].tolist() == [True, False, False]  # 1.5 > 1.28 on the kept mask
+    loss.backward()
+    # -sg(clip(r))·A·w_b / N0 per kept token: [-1.28/3, 0, -1/3]
+    assert lp.grad.tolist() == pytest.approx([-1.28 / 3, 0.0, -1 / 3], rel=1e-12)
+
+
+def test_ppo_convention_areal_statistics_mask() -> None:
+    from grpo_cli.core import RejectionSamplingConfig, ppo_actor_loss
+
+    lp, prox, behave, adv, mask = _rs_case()
+    cfg = RejectionSamplingConfig(upper=2.0)
+    loss_new, st_new = ppo_actor_loss(lp, prox, behave, adv, 0.2, mask, rejection_sampling=cfg)
+    loss_old, st_old = ppo_actor_loss(lp, prox, behave, adv, 0.2, mask, rejection_sampling=cfg, convention="areal")
+    assert st_new["importance_weight"].tolist() == pytest.approx([1.5, 3.0, 1.0], rel=1e-12)
+    assert st_old["importance_weight"].tolist() == pytest.approx([1.5, 0.0, 1.0], rel=1e-12)
+    assert st_new["clip_mask"].tolist() == [True, True, False] and st_old["clip_mask"].tolist() == [True, False, False]
+    assert loss_new.item() == loss_old.item() == pytest.approx(-(1.2 + 1.0) / 3, rel=1e-12)
