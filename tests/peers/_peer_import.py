@@ -80,7 +80,12 @@ class _StubModule(types.ModuleType):
 
 
 class _PeerPackage(types.ModuleType):
-    """A peer package entered without its ``__init__``: attributes are submodules if they exist, else stubs."""
+    """A peer package entered without running its ``__init__`` up front.
+
+    An attribute is a submodule when one exists; otherwise the package's ``__init__`` is run once (re-exports
+    such as ``from .functional import ppo_actor_loss_fn``) and, if the name is still missing or ``__init__``
+    fails on something stubbed, the attribute is a stub.
+    """
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") and name.endswith("__"):
@@ -88,6 +93,16 @@ class _PeerPackage(types.ModuleType):
         for base in self.__path__:
             if (Path(base) / f"{name}.py").exists() or (Path(base) / name).is_dir():
                 return importlib.import_module(f"{self.__name__}.{name}")
+        if not self.__dict__.get("_init_ran", False):
+            self.__dict__["_init_ran"] = True
+            init = Path(self.__path__[0]) / "__init__.py"
+            if init.exists():
+                try:
+                    exec(compile(init.read_text(), str(init), "exec"), self.__dict__)
+                except Exception:  # an __init__ that needs a real trainer: fall back to stubs
+                    pass
+            if name in self.__dict__:
+                return self.__dict__[name]
         value = _dummy(f"{self.__name__}.{name}")
         setattr(self, name, value)
         return value

@@ -9,6 +9,7 @@ import torch
 from _batches import close, make_batch
 
 from grpo_cli.core import RejectionSamplingConfig, apply_rejection_sampling, ppo_actor_loss, sapo_loss
+from grpo_cli.core.peer_figures import areal_actor_stats
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 RS = {
@@ -131,3 +132,55 @@ def test_apply_rejection_sampling(areal: SimpleNamespace, rs: str) -> None:
     assert torch.equal(mask, peer.loss_mask.bool())
     close(torch.where(mask, weight, 0), torch.where(mask, peer.behave_imp_weight, 0), torch.float32, "weight")
     close(fraction, peer.filtered_fraction, torch.float32, "filtered_fraction")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32])  # AReaL's stats tracker only takes float32 tensors
+@pytest.mark.parametrize("rs", ["none", "token-ratio-mask", "seq-ratio-mean-mask"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_grpo_loss_fn_logged_stats(areal: SimpleNamespace, level: str, rs: str, dtype: torch.dtype) -> None:
+    """Run AReaL's ``grpo_loss_fn`` and compare everything its stats tracker exports with areal_actor_stats."""
+    b = make_batch(14, dtype)
+    rs_peer, rs_ours = _rs(areal, RS[rs])
+    versions = torch.randint(-1, 6, b.mask.shape, generator=torch.Generator().manual_seed(1))
+    input_data = {
+        "logprobs": b.roll,
+        "advantages": b.adv,
+        "loss_mask": b.mask,
+        "prox_logp": b.old,
+        "versions": versions,
+    }
+    areal.stats_tracker.export()  # start from an empty tracker
+    areal.actor.grpo_loss_fn(
+        b.lp.detach(),
+        b.entropy,
+        input_data,
+        eps_clip=0.2,
+        eps_clip_higher=0.28,
+        c_clip=3.0,
+        rejection_sampling=rs_peer,
+        importance_sampling_level=level,
+        current_version=6,
+    )
+    peer = areal.stats_tracker.export()
+    ours = areal_actor_stats(
+        b.lp,
+        b.old,
+        b.roll,
+        b.adv,
+        b.mask,
+        eps_clip=0.2,
+        eps_clip_higher=0.28,
+        c_clip=3.0,
+        rejection_sampling=rs_ours,
+        importance_sampling_level=level,
+        entropy=b.entropy,
+        versions=versions,
+        current_version=6,
+    )
+    skipped = {"n_tokens", "version_stats/n_valid_tokens"}
+    missing = {k for k in peer if k not in ours and not k.endswith("__count") and k not in skipped}
+    assert not missing, f"AReaL logs keys grpo-cli does not compute: {sorted(missing)}"
+    extra = set(ours) - set(peer)
+    assert not extra, f"grpo-cli computes keys AReaL does not log here: {sorted(extra)}"
+    for key, value in ours.items():
+        close(value, peer[key], dtype, key)

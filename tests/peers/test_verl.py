@@ -46,16 +46,19 @@ def test_agg_loss_sum_norm_older_release_differs(verl: SimpleNamespace) -> None:
 
 
 def _actor_config(core_algos: object, low: float, high: float, c: float = 3.0) -> object:
-    class Cfg(core_algos.ActorConfig):  # type: ignore[name-defined,misc]  # verl's (stubbed) config class
-        clip_ratio = 0.2
-        clip_ratio_low = low
-        clip_ratio_high = high
-        global_batch_info: dict = {}  # noqa: RUF012
-
-        def get(self, key: str, default: object = None) -> object:
-            return {"clip_ratio_c": c}.get(key, default)
-
-    return Cfg()
+    """A verl ``ActorConfig`` holding only the fields the policy losses read (its ``__post_init__`` checks a whole
+    trainer setup, so the instance is built without it)."""
+    cfg = object.__new__(core_algos.ActorConfig)
+    fields = {
+        "clip_ratio": 0.2,
+        "clip_ratio_low": low,
+        "clip_ratio_high": high,
+        "clip_ratio_c": c,
+        "global_batch_info": {},
+    }
+    for key, value in fields.items():
+        object.__setattr__(cfg, key, value)
+    return cfg
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
