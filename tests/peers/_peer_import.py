@@ -97,10 +97,9 @@ class _PeerPackage(types.ModuleType):
             self.__dict__["_init_ran"] = True
             init = Path(self.__path__[0]) / "__init__.py"
             if init.exists():
-                try:
+                # An __init__ that needs a real trainer fails: the missing names become stubs below.
+                with contextlib.suppress(Exception):
                     exec(compile(init.read_text(), str(init), "exec"), self.__dict__)
-                except Exception:  # an __init__ that needs a real trainer: fall back to stubs
-                    pass
             if name in self.__dict__:
                 return self.__dict__[name]
         value = _dummy(f"{self.__name__}.{name}")
