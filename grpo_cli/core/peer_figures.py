@@ -566,7 +566,7 @@ def trl_sampling_metrics(
     sampling_log_prob: Tensor,
     mask: Tensor,
     *,
-    mode: str = "token_truncate",
+    mode: str = "sequence_mask",
     clip_min: float | None = None,
     clip_max: float | None = 3.0,
 ) -> tuple[Tensor, dict[str, float]]:
@@ -574,7 +574,8 @@ def trl_sampling_metrics(
 
     ``Δ = (ℓ_old − ℓ_sampling)·m`` with NaN (a token vLLM could not score) as 0; token modes use ``exp(Δ)``
     per token, sequence modes ``exp(Σ_t Δ)`` per row (shape ``[B, 1]``); ``*_truncate`` clamps to
-    ``[clip_min, clip_max]``, ``*_mask`` zeroes ratios outside. Figures:
+    ``[clip_min, clip_max]``, ``*_mask`` zeroes ratios outside. The defaults are TRL 1.16's ``GRPOConfig``
+    (``vllm_importance_sampling_mode="sequence_mask"``, ``clip_min=None``, ``clip_max=3.0``). Figures:
 
     - ``sampling_logp_difference/mean`` and ``/max``: mean and max of ``|ℓ_old − ℓ_sampling|`` over valid tokens
       that are not NaN (0 when none);
