@@ -24,6 +24,7 @@ from grpo_cli.core.peer_figures import (
     verl_offpolicy_metrics,
     verl_policy_loss,
     verl_rollout_is,
+    verl_rollout_rs,
 )
 
 F64 = torch.float64
@@ -192,3 +193,29 @@ def test_areal_stats_hand() -> None:
     assert v["sample_staleness_theta_avg"] == 2.0 and v["sample_staleness_proximal_min"] == 0.0
     assert v["n_valid_generated_tokens"] == 2.0 and v["v_proximal"] == 5.0
     assert areal_version_stats(torch.tensor([-1]), 6, torch.tensor([1])) == {}
+
+
+def test_verl_rollout_rs_hand() -> None:
+    # ℓ = old - roll = [ln 4, 0 | 0, ·]; k1 = -ℓ = [-ln 4, 0 | 0]; k3 = e^ℓ - 1 - ℓ = [3 - ln 4, 0 | 0].
+    old = torch.log(t([[4.0, 1.0], [1.0, 1.0]]))
+    roll = torch.zeros(2, 2, dtype=F64)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    kept, m = verl_rollout_rs(old, roll, mask, "seq_sum_k3", 1.0)
+    # row sums of k3: [3 - ln 4 = 1.614 > 1 → rejected, 0]
+    assert kept.tolist() == [[False, False], [True, False]]
+    k3 = 3 - LN(4.0)
+    assert m["rollout_rs_seq_sum_k3_mean"] == pytest.approx(2 * k3 / 3, rel=1e-12)  # token-weighted
+    assert m["rollout_rs_seq_sum_k3_max"] == pytest.approx(k3) and m["rollout_rs_seq_sum_k3_min"] == 0.0
+    assert m["rollout_rs_seq_sum_k3_fraction_high"] == 0.5 and m["rollout_rs_seq_sum_k3_fraction_low"] == 0.0
+    assert m["rollout_rs_seq_sum_k3_masked_fraction"] == pytest.approx(2 / 3)
+    assert m["rollout_rs_seq_sum_k3_seq_masked_fraction"] == 0.5
+    assert "rollout_rs_seq_sum_k3_seq_fraction_low" not in m
+    # std over the statistic clamped to [0, 1]: tokens [1, 1, 0] → sqrt(2/3 - 4/9)
+    assert m["rollout_rs_seq_sum_k3_std"] == pytest.approx(math.sqrt(2 / 3 - 4 / 9), rel=1e-12)
+    # token_k1 with a single bound u = 2 means [1/2, 2]: -ln 4 < ln 0.5 → rejected
+    kept, m = verl_rollout_rs(old, roll, mask, "token_k1", 2.0)
+    assert kept.tolist() == [[False, True], [True, False]]
+    assert m["rollout_rs_token_k1_fraction_low"] == pytest.approx(1 / 3)
+    assert m["rollout_rs_seq_masked_fraction"] == 0.5
+    with pytest.raises(ValueError, match="Invalid rollout_rs option"):
+        verl_rollout_rs(old, roll, mask, "seq_max_k1", 2.0)

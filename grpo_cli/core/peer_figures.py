@@ -52,6 +52,7 @@ __all__ = [
     "verl_offpolicy_metrics",
     "verl_policy_loss",
     "verl_rollout_is",
+    "verl_rollout_rs",
 ]
 
 VERL_SAFETY_BOUND = 20.0
@@ -321,6 +322,156 @@ def verl_rollout_is(
     if lo_given is not None:
         out["rollout_is_oob_ratio"] = _masked_mean((raw < lo_given) | (raw > c), m)
     return weights.detach(), out
+
+
+VERL_RS_OPTIONS: tuple[str, ...] = (
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+)  # fmt: skip
+"""verl's ``rollout_rs`` options (``SUPPORTED_ROLLOUT_RS_OPTIONS``)."""
+
+
+def _rs_thresholds(options: list[str], spec: str | float) -> dict[str, tuple[float | None, float]]:
+    """``{option: (lower, upper)}`` from verl's ``rollout_rs_threshold`` (one entry, or one per option)."""
+    if isinstance(spec, bool) or not isinstance(spec, (str, int, float)):
+        raise TypeError("rollout_rs_threshold must be a string or a number")
+    parts = [str(spec)] if not isinstance(spec, str) else [p.strip() for p in spec.split(",") if p.strip()]
+    if len(parts) not in (1, len(options)):
+        raise ValueError(f"rollout_rs_threshold needs one threshold or {len(options)}, got {len(parts)}")
+    parts = parts * len(options) if len(parts) == 1 else parts
+    out: dict[str, tuple[float | None, float]] = {}
+    for option, part in zip(options, parts):
+        if option.endswith("k1"):
+            lo_s, hi_s = part.split("_", 1) if "_" in part else (None, part)
+            hi = float(hi_s)
+            lo = 1.0 / hi if lo_s is None else float(lo_s)
+            if lo <= 0 or hi <= 0 or lo > hi:
+                raise ValueError(f"Thresholds for option '{option}' must be 0 < lower <= upper, got {part}")
+            out[option] = (lo, hi)
+        else:
+            if "_" in part:
+                raise ValueError(f"rollout_rs_threshold for option '{option}' takes a single upper bound, got {part}")
+            hi = float(part)
+            if hi <= 0:
+                raise ValueError(f"Threshold for option '{option}' must be positive, got {part}")
+            out[option] = (None, hi)
+    return out
+
+
+def verl_rollout_rs(
+    old_log_prob: Tensor,
+    rollout_log_prob: Tensor,
+    response_mask: Tensor,
+    rollout_rs: str,
+    rollout_rs_threshold: str | float,
+) -> tuple[Tensor, dict[str, float]]:
+    """verl's rejection sampling (``compute_rollout_rejection_mask``) and its ``rollout_corr/rollout_rs_*`` metrics.
+
+    ``ℓ = clamp(ℓ_old − ℓ_rollout, ±20)``; per token ``k1 = −ℓ`` (so k1 bounds apply to π_rollout/π_old),
+    ``k2 = ℓ²/2``, ``k3 = e^ℓ − 1 − ℓ``. Options (comma-separated, all must pass): ``token_k*`` per token,
+    ``seq_sum_k*``/``seq_mean_k*`` the masked sum/mean per sequence, ``seq_max_k{2,3}`` the masked max (0 for an
+    empty row). k1 options keep ``log(lower) ≤ stat ≤ log(upper)`` (threshold ``"lower_upper"``, a single
+    ``u`` meaning ``1/u_u``); the others keep ``stat ≤ upper``. Per option ``<o>`` (prefix ``rollout_rs_<o>``):
+
+    - ``_mean``: masked token mean of the statistic (a sequence option's value repeated on its tokens, so
+      sequences weigh by length); ``_max``/``_min``: over valid tokens (token options) or non-empty rows;
+    - ``_fraction_high``/``_fraction_low`` (low only for k1, else 0): token-level masked means, or row means
+      for sequence options, against the thresholds (k1 in log space);
+    - ``_std``: sqrt of the masked variance of the statistic clamped to ``[lower, upper]`` (``[0, upper]``
+      without a lower bound; 0 for at most one valid token);
+    - ``_seq_{mean,std,max,min,max_deviation,fraction_high}`` (and ``_seq_fraction_low`` for k1) over the
+      non-empty rows' values (token options: per-row masked means), std unbiased;
+    - ``_masked_fraction``: masked mean of rejected tokens; ``_seq_masked_fraction``: the share of non-empty
+      rows with a rejected valid token.
+
+    Totals: ``rollout_rs_masked_fraction`` (masked token mean) and ``rollout_rs_seq_masked_fraction`` (share of
+    *all* rows, empty ones included, with a rejected valid token).
+
+    Returns:
+        ``(mask, metrics)``: the response mask after rejection (bool) and the metrics.
+
+    Raises:
+        ValueError: an unknown option, bad thresholds, an all-masked batch (verl raises too), bad shapes.
+
+    Example:
+        >>> old = torch.log(torch.tensor([[1.0, 4.0, 1.0]])); roll = torch.zeros(1, 3)
+        >>> m, f = verl_rollout_rs(old, roll, torch.ones(1, 3), "token_k1", "0.5_2.0")
+        >>> m.tolist(), round(f["rollout_rs_token_k1_masked_fraction"], 4)  # π_roll/π_old = 1/4 < 0.5
+        ([[True, False, True]], 0.3333)
+    """
+    options: list[str] = []
+    for opt in (o.strip() for o in str(rollout_rs).split(",")):
+        if not opt:
+            continue
+        if opt not in VERL_RS_OPTIONS:
+            raise ValueError(f"Invalid rollout_rs option: {opt}. Must be one of {sorted(VERL_RS_OPTIONS)}.")
+        if opt not in options:
+            options.append(opt)
+    if not options:
+        raise ValueError("rollout_rs must contain at least one valid option.")
+    bounds = _rs_thresholds(options, rollout_rs_threshold)
+    m, cd = _prepare(old_log_prob, response_mask, rollout_log_prob=rollout_log_prob)
+    if not bool(m.any()):
+        raise ValueError("response_mask must contain at least one valid token (1).")
+    log_ratio = _where(m, old_log_prob.detach().to(cd) - rollout_log_prob.detach().to(cd))
+    log_ratio = log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
+    per_token = {"k1": -log_ratio, "k2": 0.5 * log_ratio * log_ratio, "k3": torch.expm1(log_ratio) - log_ratio}
+    has = m.any(-1)
+    keep_all = torch.ones_like(m)
+    out: dict[str, float] = {}
+    for option in options:
+        lower, upper = bounds[option]
+        k1 = option.endswith("k1")
+        lo_t = math.log(lower) if k1 and lower is not None else 0.0
+        hi_t = math.log(upper) if k1 else upper
+        values = per_token[option[-2:]]
+        if option.startswith("token"):
+            stat = values
+            seq_values = _row_means(stat, m)
+        else:
+            if option.startswith("seq_sum"):
+                seq_values = _row_sums(values, m)
+            elif option.startswith("seq_mean"):
+                seq_values = _row_means(values, m)
+            else:
+                seq_values = _where(m, values.to(_F64), -math.inf).max(-1).values
+                seq_values = torch.where(torch.isinf(seq_values), torch.zeros_like(seq_values), seq_values)
+            stat = seq_values.to(cd)[:, None].expand_as(values)
+        keep = (stat >= lo_t) & (stat <= hi_t) if k1 else stat <= hi_t
+        keep_all = keep_all & keep
+        p = f"rollout_rs_{option}"
+        valid_seq = seq_values[has]
+        sequence_level = not option.startswith("token")
+        out[f"{p}_mean"] = _masked_mean(stat, m)
+        if sequence_level:
+            out[f"{p}_max"], out[f"{p}_min"] = float(valid_seq.max()), float(valid_seq.min())
+            out[f"{p}_fraction_high"] = float((valid_seq > hi_t).to(_F64).mean())
+            out[f"{p}_fraction_low"] = float((valid_seq < lo_t).to(_F64).mean()) if k1 else 0.0
+        else:
+            out[f"{p}_max"], out[f"{p}_min"] = _masked_max(stat, m), _masked_min(stat, m)
+            out[f"{p}_fraction_high"] = _masked_mean(stat > hi_t, m)
+            out[f"{p}_fraction_low"] = _masked_mean(stat < lo_t, m) if k1 else 0.0
+        if int(m.sum()) > 1:
+            clamped = stat.to(_F64).clamp(min=lo_t, max=hi_t)
+            mean_c = _masked_mean(clamped, m)
+            out[f"{p}_std"] = math.sqrt(max(_masked_mean(clamped * clamped, m) - mean_c**2, 0.0))
+        else:
+            out[f"{p}_std"] = 0.0
+        out[f"{p}_seq_mean"] = float(valid_seq.mean())
+        out[f"{p}_seq_std"] = float(valid_seq.std()) if valid_seq.numel() > 1 else 0.0
+        out[f"{p}_seq_max"] = float(valid_seq.max())
+        out[f"{p}_seq_min"] = float(valid_seq.min())
+        out[f"{p}_seq_max_deviation"] = float(valid_seq.abs().max())
+        out[f"{p}_seq_fraction_high"] = float((valid_seq > hi_t).to(_F64).mean())
+        if k1:
+            out[f"{p}_seq_fraction_low"] = float((valid_seq < lo_t).to(_F64).mean())
+        out[f"{p}_masked_fraction"] = _masked_mean(~keep, m)
+        out[f"{p}_seq_masked_fraction"] = float((~keep & m).any(-1)[has].to(_F64).mean())
+    out["rollout_rs_masked_fraction"] = _masked_mean(~keep_all, m)
+    out["rollout_rs_seq_masked_fraction"] = float((~keep_all & m).any(-1).to(_F64).mean())
+    return m & keep_all, out
 
 
 def verl_offpolicy_metrics(

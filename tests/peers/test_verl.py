@@ -15,6 +15,7 @@ from grpo_cli.core.peer_figures import (
     verl_offpolicy_metrics,
     verl_policy_loss,
     verl_rollout_is,
+    verl_rollout_rs,
 )
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
@@ -201,3 +202,35 @@ def test_data_metrics(verl: SimpleNamespace) -> None:
     ours = verl_data_metrics(b.scores, attention)
     for key, value in ours.items():
         close(value, peer[key], torch.float32, key)
+
+
+RS_CASES = [
+    ("token_k1", "0.5_2.0"),
+    ("token_k1", 2.0),
+    ("token_k2", 0.5),
+    ("token_k3", 0.3),
+    ("seq_sum_k1", "0.5_2.0"),
+    ("seq_sum_k2", 1.0),
+    ("seq_sum_k3", 2.0),
+    ("seq_mean_k1", "0.999_1.001"),
+    ("seq_mean_k2", 0.1),
+    ("seq_mean_k3", 0.2),
+    ("seq_max_k2", 2.0),
+    ("seq_max_k3", 1.0),
+    ("token_k1,seq_mean_k3", "0.5_2.0,0.5"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("options", "threshold"), RS_CASES)
+def test_rollout_rejection_sampling(verl: SimpleNamespace, options: str, threshold: object, dtype: torch.dtype) -> None:
+    b = make_batch(8, dtype)
+    mask_peer, m_peer = verl.rollout_corr.compute_rollout_rejection_mask(
+        b.old - b.roll, b.mask.to(dtype), rollout_rs=options, rollout_rs_threshold=threshold
+    )
+    mask, metrics = verl_rollout_rs(b.old, b.roll, b.mask, options, threshold)
+    assert torch.equal(mask, mask_peer.bool())
+    assert set(metrics) == set(m_peer)
+    for key, value in metrics.items():
+        key_dtype = torch.float32 if "fraction" in key else dtype  # verl's float32 means of booleans
+        close(value, m_peer[key], key_dtype, f"rollout_corr/{key}")
