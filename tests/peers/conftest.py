@@ -207,3 +207,10 @@ def areal(peer_roots: dict[str, Path]) -> SimpleNamespace:
         ],
     )
     return SimpleNamespace(functional=functional, actor=actor, cli_args=cli_args, stats_tracker=stats_tracker)
+
+
+@pytest.fixture(scope="session")
+def twinkle(peer_roots: dict[str, Path]) -> SimpleNamespace:
+    """twinkle 0.5.1: ``twinkle.loss.grpo`` (the GRPO-family loss classes)."""
+    (loss_grpo,) = _load(peer_roots, ["twinkle.loss.grpo"])
+    return SimpleNamespace(loss=loss_grpo)
