@@ -20,7 +20,8 @@ from grpo_cli.core.advantages import (
     roll_to_next_token,
     sequence_to_tokens,
 )
-from grpo_cli.core.aggregate import AGG_MODES, aggregate_loss, aggregate_loss_terms
+from grpo_cli.core.aggregate import AGG_CONVENTIONS, AGG_MODES, aggregate_loss, aggregate_loss_terms
+from grpo_cli.core.conventions import PEER_RELEASES, check_convention
 from grpo_cli.core.distill import distill_loss, distill_loss_terms, joint_distill_loss
 from grpo_cli.core.grpo_family import (
     GRPO_VARIANTS,
@@ -28,7 +29,7 @@ from grpo_cli.core.grpo_family import (
     grpo_family_loss_terms,
     grpo_family_per_token_loss,
 )
-from grpo_cli.core.kl import KL_KINDS, kl_estimate, kl_from_log_ratio
+from grpo_cli.core.kl import KL_KINDS, KL_STRAIGHT_THROUGH_KINDS, kl_estimate, kl_from_log_ratio
 from grpo_cli.core.packing import (
     broadcast_to_tokens,
     cu_seqlens_from_lengths,
@@ -108,7 +109,11 @@ __all__ = [
     "kl_regularized_rewards",
     "reward_overlong_penalty",
     "shape_rewards",
+    "AGG_CONVENTIONS",
     "AGG_MODES",
+    "KL_STRAIGHT_THROUGH_KINDS",
+    "PEER_RELEASES",
+    "check_convention",
     "GRPO_VARIANTS",
     "KL_KINDS",
     "LINEAR_PROB_EPS",

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from grpo_cli.core._loss_common import as_bool_mask, check_real, validate_cu_seqlens
+from grpo_cli.core.conventions import check_convention
 from grpo_cli.core.packing import lengths_from_cu_seqlens, packed_to_padded, padded_to_packed, segment_sum
 from grpo_cli.core.rewards import (
     KL_ESTIMATORS,
@@ -50,6 +51,7 @@ from grpo_cli.core.rewards import (
 )
 
 __all__ = [
+    "REINFORCE_PP_CONVENTIONS",
     "ADVANTAGE_ESTIMATORS",
     "AdvantageConfig",
     "NormConfig",
@@ -715,17 +717,33 @@ def masked_whiten(
     return torch.where(mask, whitened, 0.0).to(dtype)
 
 
-def _return_to_go_padded(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
-    """verl REINFORCE++ returns on ``[B, T]``: ``G_t = r_t + γ·m_{t+1}·G_{t+1}`` (resets after EOS)."""
+def _return_to_go_padded(rewards: Tensor, mask: Tensor, gamma: float, carry: bool = False) -> Tensor:
+    """verl REINFORCE++ returns on ``[B, T]``.
+
+    ``carry=False`` (verl up to 0.8): ``G_t = r_t + γ·m_{t+1}·G_{t+1}``, the running return resets after a
+    masked position. ``carry=True`` (verl 0.9): a masked position passes the running return through unchanged
+    (no discount, no reward) and gets ``G_t = 0``; a valid one gets ``G_t = r_t + γ·G_next``.
+    """
     n_seq, width = rewards.shape
     returns = torch.zeros_like(rewards)
     running = torch.zeros(n_seq, dtype=rewards.dtype, device=rewards.device)
     r_t, m_t = rewards.t(), mask.t()
     for t in range(width - 1, -1, -1):
+        if carry:
+            # verl 0.9 compute_reinforce_plus_plus_outcome_advantage: observation tokens carry running_return.
+            new = r_t[t] + gamma * running
+            returns[:, t] = torch.where(m_t[t], new, 0.0)
+            running = torch.where(m_t[t], new, running)
+            continue
         running = r_t[t] + gamma * running
         returns[:, t] = running
-        running = torch.where(m_t[t], running, 0.0)  # verl: running_return *= response_mask[:, t]
+        running = torch.where(m_t[t], running, 0.0)  # verl <= 0.8: running_return *= response_mask[:, t]
     return returns
+
+
+REINFORCE_PP_CONVENTIONS: tuple[str, ...] = ("verl", "verl<=0.8")
+"""``convention`` values of :func:`reinforce_pp_advantages`: verl 0.9 (carries the return across masked
+spans) and verl up to 0.8 (resets it there, grpo-cli's default)."""
 
 
 def reinforce_pp_advantages(
@@ -735,11 +753,21 @@ def reinforce_pp_advantages(
     gamma: float = 1.0,
     eps: float = 1e-8,
     cu_seqlens: Tensor | None = None,
+    convention: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (verl ``compute_reinforce_plus_plus_outcome_advantage``): return-to-go, batch whitening.
 
-    ``G_t = r_t + γ·G_{t+1}`` backwards within each sequence (the running return resets at masked positions,
-    as verl's ``running_return * response_mask``), then ``A = masked_whiten(G)`` over all valid tokens of the
+    ``G_t = r_t + γ·G_{t+1}`` backwards within each sequence. Across a masked span inside a response (tool or
+    observation tokens) the conventions differ:
+
+    - ``None`` (grpo-cli) or ``"verl<=0.8"``: the running return resets at masked positions (verl up to 0.8,
+      ``running_return * response_mask``); the masked position itself gets ``r_t + γ·G_{t+1}``.
+    - ``"verl"`` (verl 0.9, the current release): the running return is carried through masked positions
+      unchanged and the masked positions get ``G_t = 0``, so a reward after a tool call reaches the tokens
+      before it. Mask ``[1, 0, 1, 1]``, reward 1 at the last token, γ = 1: ``[1, 0, 1, 1]`` (grpo-cli
+      ``[0, 1, 1, 1]``).
+
+    Then ``A = masked_whiten(G)`` over all valid tokens of the
     batch (unbiased variance, ``rsqrt(σ² + eps)``), 0 at masked positions. Rewards at masked positions count
     as 0. slime's ``reinforce_plus_plus`` needs ``--normalize-advantages`` for the same whitening; OpenRLHF's
     ``reinforce`` whitens with the biased variance.
@@ -751,6 +779,7 @@ def reinforce_pp_advantages(
         gamma: discount γ (verl ``algorithm.gamma``, default 1.0).
         eps: whitening epsilon (1e-8).
         cu_seqlens: ``[B + 1]`` offsets for packed input.
+        convention: ``None``, ``"verl"`` or ``"verl<=0.8"`` (see above and :mod:`grpo_cli.core.conventions`).
 
     Returns:
         ``(advantages, returns)`` shaped like ``token_rewards``.
@@ -760,6 +789,7 @@ def reinforce_pp_advantages(
         >>> reinforce_pp_advantages(rewards, torch.ones(2, 2), gamma=0.5)[1].tolist()
         [[0.5, 1.0], [0.0, 0.0]]
     """
+    carry = check_convention(convention, REINFORCE_PP_CONVENTIONS, "reinforce_pp_advantages") == "verl"
     mask = as_bool_mask(loss_mask)
     r = _check_token_tensor(token_rewards, mask, "token_rewards")
     g = check_real(gamma, "gamma")
@@ -768,12 +798,12 @@ def reinforce_pp_advantages(
     if mask.ndim == 2:
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens is only for packed 1-D input, got a padded [B, T] tensor")
-        returns = _return_to_go_padded(r64, mask, g)
+        returns = _return_to_go_padded(r64, mask, g, carry)
     elif mask.ndim == 1:
         if cu_seqlens is None:
             raise ValueError("cu_seqlens is required for packed 1-D tokens")
         cu = validate_cu_seqlens(cu_seqlens.to(mask.device), mask.numel())
-        padded = _return_to_go_padded(_to_padded(r64, cu), _to_padded(mask, cu), g)
+        padded = _return_to_go_padded(_to_padded(r64, cu), _to_padded(mask, cu), g, carry)
         returns = padded_to_packed(padded, lengths_from_cu_seqlens(cu))[0]
     else:
         raise ValueError(f"expected padded [B, T] or packed [N] tokens, got ndim={mask.ndim}")

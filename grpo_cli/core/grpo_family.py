@@ -27,10 +27,12 @@ from grpo_cli.core._loss_common import (
     sigmoid,
     validate_cu_seqlens,
 )
+from grpo_cli.core.conventions import check_convention
 from grpo_cli.core.kl import kl_from_log_ratio
 from grpo_cli.core.packing import lengths_from_cu_seqlens, segment_sum
 
 __all__ = [
+    "GRPO_CONVENTIONS",
     "GRPO_VARIANTS",
     "LOG_RATIO_CLAMP",
     "grpo_family_loss_terms",
@@ -42,6 +44,20 @@ GRPO_VARIANTS: tuple[str, ...] = ("grpo", "gspo", "sapo", "cispo", "bnpo", "dr_g
 # twinkle clamps the token log-ratio to ±20 before exp (and before the GSPO mean); TRL does not clamp.
 LOG_RATIO_CLAMP = 20.0
 _SEQ_MEAN = ("grpo", "gspo", "sapo")
+GRPO_CONVENTIONS: tuple[str, ...] = ("trl", "twinkle")
+"""``convention`` values of the GRPO-family functions; they only decide the default of
+``use_bias_correction_kl`` (TRL 1.16 ``GRPOConfig.use_bias_correction_kl`` defaults to True; twinkle and
+grpo-cli have no such correction)."""
+
+
+def resolve_bias_correction_kl(use_bias_correction_kl: bool | None, convention: str | None) -> bool:
+    """The effective ``use_bias_correction_kl``: the explicit value, else True only under ``convention="trl"``."""
+    conv = check_convention(convention, GRPO_CONVENTIONS, "the GRPO-family loss")
+    if use_bias_correction_kl is None:
+        return conv == "trl"
+    if not isinstance(use_bias_correction_kl, bool):
+        raise TypeError(f"use_bias_correction_kl must be a bool or None, got {type(use_bias_correction_kl).__name__}")
+    return use_bias_correction_kl
 
 
 def _check_variant(variant: str) -> None:
@@ -65,6 +81,8 @@ def grpo_family_per_token_loss(
     tau_neg: float | None = None,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    use_bias_correction_kl: bool | None = None,
+    convention: str | None = None,
 ) -> Tensor:
     """Per-token loss ``L_tok`` (flat ``[N]``, working dtype, 0 off the mask) before aggregation.
 
@@ -75,8 +93,14 @@ def grpo_family_per_token_loss(
     - ``cispo``: ``−sg(min(r, 1 + ε_high))·A·ℓ`` (upper cap only).
     - plus ``β·k3`` with ``k3 = exp(ℓ_ref − ℓ) − (ℓ_ref − ℓ) − 1`` when ``β > 0`` and ``ref_logp`` is given,
       minus ``entropy_coef·H`` when ``entropy_coef > 0``.
+    - with ``use_bias_correction_kl`` (TRL ``GRPOConfig.use_bias_correction_kl``, TRL's default True) the KL
+      term is ``β·k3·r`` with the differentiable ratio ``r`` of the variant (the sequence ratio for GSPO), as
+      TRL's ``_compute_loss`` does: the value differs whenever ``r ≠ 1`` and the gradient always
+      (``∂(k3·r)/∂ℓ = r·(1 − e^{ℓ_ref−ℓ}) + k3·r``; on-policy ℓ = −1, ℓ_ref = −2: 1.0 instead of 0.632).
+      ``None`` means True under ``convention="trl"`` and False otherwise (grpo-cli's and twinkle's loss).
     """
     _check_variant(variant)
+    bias_kl = resolve_bias_correction_kl(use_bias_correction_kl, convention)
     eps_lo = check_real(clip_low, "clip_low", minimum=0.0)
     eps_hi = eps_lo if clip_high is None else check_real(clip_high, "clip_high", minimum=0.0)
     b = check_real(beta, "beta", minimum=0.0)
@@ -110,7 +134,8 @@ def grpo_family_per_token_loss(
 
     per_token = _surrogate(variant, ratio, adv, lp, eps_lo, eps_hi, tp, tn)
     if b > 0 and ref_logp is not None:
-        per_token = per_token + b * _ref_k3(lp, _flat(ref_logp.detach()))
+        kl = _ref_k3(lp, _flat(ref_logp.detach()))
+        per_token = per_token + b * (kl * ratio if bias_kl else kl)
     if ec > 0:
         assert entropy is not None
         per_token = per_token - ec * _flat(entropy)
@@ -149,6 +174,8 @@ def grpo_family_valid_terms(
     tau_pos: float = 1.0,
     tau_neg: float | None = None,
     max_completion_length: int = 1024,
+    use_bias_correction_kl: bool | None = None,
+    convention: str | None = None,
 ) -> dict[str, tuple[Tensor, Tensor]]:
     """:func:`grpo_family_loss_terms` for several variants at once, over packed tokens that *all* enter the loss.
 
@@ -171,6 +198,7 @@ def grpo_family_valid_terms(
     """
     for variant in variants:
         _check_variant(variant)
+    bias_kl = resolve_bias_correction_kl(use_bias_correction_kl, convention)
     eps_lo = check_real(clip_low, "clip_low", minimum=0.0)
     eps_hi = eps_lo if clip_high is None else check_real(clip_high, "clip_high", minimum=0.0)
     b = check_real(beta, "beta", minimum=0.0)
@@ -207,7 +235,10 @@ def grpo_family_valid_terms(
                     cache["ratio"] = torch.exp(log_w)
                 ratio = cache["ratio"]
             value = _surrogate(variant, ratio, adv, lp, eps_lo, eps_hi, tp, tn)
-            cache[shape] = value if kl is None else value + kl
+            if kl is None:
+                cache[shape] = value
+            else:
+                cache[shape] = value + (kl * ratio if bias_kl else kl)
         return cache[shape]
 
     out: dict[str, tuple[Tensor, Tensor]] = {}
@@ -242,6 +273,8 @@ def grpo_family_loss_terms(
     max_completion_length: int = 1024,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    use_bias_correction_kl: bool | None = None,
+    convention: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(numerator, denominator)`` (float64 scalars) of one GRPO-family loss over a batch.
 
@@ -287,6 +320,8 @@ def grpo_family_loss_terms(
         tau_neg=tau_neg,
         entropy=entropy,
         entropy_coef=entropy_coef,
+        use_bias_correction_kl=use_bias_correction_kl,
+        convention=convention,
     )
     mflat = as_bool_mask(mask, "mask").reshape(-1)
     if variant in ("bnpo", "cispo"):

@@ -28,9 +28,11 @@ from grpo_cli.core._loss_common import (
     seq_sum64,
     sigmoid,
 )
+from grpo_cli.core.conventions import check_convention
 from grpo_cli.core.rejection import RejectionSamplingConfig, apply_rejection_sampling
 
 __all__ = [
+    "PPO_CONVENTIONS",
     "cispo_loss",
     "cispo_loss_terms",
     "ppo_actor_loss",
@@ -41,6 +43,10 @@ __all__ = [
 ]
 
 _IS_LEVELS = ("token", "sequence")
+PPO_CONVENTIONS: tuple[str, ...] = ("areal",)
+"""``convention`` values of :func:`ppo_actor_loss`: ``"areal"`` is AReaL 1.0.4, whose token ratio and clip masks
+(statistics only) use the mask *after* rejection sampling; grpo-cli's default uses the mask before it, as AReaL's
+later ``ppo_actor_loss_fn`` does (``stat_loss_mask``)."""
 
 
 def _check_level(level: str) -> None:
@@ -120,8 +126,10 @@ def ppo_actor_loss_terms(
     rejection_sampling: RejectionSamplingConfig | None = None,
     importance_sampling_level: str = "token",
     cu_seqlens: Tensor | None = None,
+    convention: str | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Any]]:
     """``(numerator, denominator, stats)`` of :func:`ppo_actor_loss` (float64 scalars; raw ``N0``)."""
+    conv = check_convention(convention, PPO_CONVENTIONS, "ppo_actor_loss")
     _check_level(importance_sampling_level)
     eps_lo = check_real(eps_clip, "eps_clip", minimum=0.0)
     eps_hi = eps_lo if eps_clip_higher is None else check_real(eps_clip_higher, "eps_clip_higher", minimum=0.0)
@@ -140,6 +148,8 @@ def ppo_actor_loss_terms(
     m_stat = m
     if rejection_sampling is not None:
         m, w_b, filtered_fraction = apply_rejection_sampling(prox, old_logprobs, m, cu_seqlens, rejection_sampling)
+        if conv == "areal":
+            m_stat = m  # AReaL 1.0.4: ratio and clip masks on the post-filter mask
 
     # Neutralise off-mask entries before exp so garbage there cannot give inf·0 = NaN gradients.
     log_ratio = fill_outside(m_stat, lp - prox, zero)
@@ -199,6 +209,7 @@ def ppo_actor_loss(
     rejection_sampling: RejectionSamplingConfig | None = None,
     importance_sampling_level: str = "token",
     cu_seqlens: Tensor | None = None,
+    convention: str | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
     """AReaL's decoupled PPO actor loss (``ppo_actor_loss_fn``, reference §1.1, newest version).
 
@@ -221,6 +232,9 @@ def ppo_actor_loss(
         rejection_sampling: a :class:`RejectionSamplingConfig` or None.
         importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO).
         cu_seqlens: ``[B + 1]`` offsets for packed input (needed for sequence-level work).
+        convention: ``None`` (grpo-cli: token ratio and clip masks on the pre-filter mask, as AReaL after
+            1.0.4) or ``"areal"`` (AReaL 1.0.4: on the post-filter mask, so ``importance_weight`` is 0 and no
+            clip is counted at rejected tokens). Loss and gradient are the same.
 
     Returns:
         ``(loss, stats)``: ``loss`` a scalar in ``logprobs``' dtype; ``stats`` with per-token ``loss`` (after
@@ -252,6 +266,7 @@ def ppo_actor_loss(
         rejection_sampling=rejection_sampling,
         importance_sampling_level=importance_sampling_level,
         cu_seqlens=cu_seqlens,
+        convention=convention,
     )
     return (num / den.clamp(min=1.0)).to(logprobs.dtype), stats
 
@@ -371,12 +386,17 @@ def cispo_loss_terms(
     assert prox is not None and adv is not None
     zero = torch.zeros((), dtype=cd, device=lp.device)
     n0 = m.sum().to(torch.float64)
+    m_stat = m
     if rejection_sampling is not None:
         assert old_logprobs is not None
         m, w_b, filtered_fraction = apply_rejection_sampling(prox, old_logprobs, m, cu_seqlens, rejection_sampling)
     adv = fill_outside(m, adv.detach(), zero)
     log_ratio = fill_outside(m, lp - prox, zero).detach()
     ratio = torch.exp(log_ratio)
+    # The importance_weight statistic is exp(ℓθ − ℓp) on the pre-filter mask (0 elsewhere), as AReaL's
+    # statistics mask: a token rejection sampling drops still shows its ratio, not 1.
+    stat_log_ratio = fill_outside(m_stat, lp - prox, zero).detach()
+    importance_weight = fill_outside(m_stat, torch.exp(stat_log_ratio), zero)
     # CISPO (MiniMax-M1 Eq. 4-5, AReaL §1.5): L = -sg(clip(r, 1-ε, 1+ε_hi))·A·ℓθ; gradient only via ℓθ.
     clipped = torch.clamp(ratio, 1.0 - eps_lo, 1.0 + eps_hi).detach()
     per_token = -clipped * adv * fill_outside(m, lp, zero)
@@ -388,7 +408,7 @@ def cispo_loss_terms(
         per_token = per_token * w_b
     stats = {
         "loss": per_token.detach(),
-        "importance_weight": ratio,
+        "importance_weight": importance_weight,
         "approx_kl": (lp - prox).detach(),
         "clip_mask": (clipped != ratio) & m,
         "dual_clip_mask": torch.zeros_like(m),
@@ -417,7 +437,8 @@ def cispo_loss(
     The value is a REINFORCE-style surrogate (it depends on ℓθ itself), so it is not comparable to PPO loss
     values; its gradient is ``−rc·A·w_b / N0`` on valid tokens and nothing reaches ℓp or ℓb.
 
-    Stats: ``loss``, ``importance_weight`` (unclipped r), ``approx_kl`` (ℓθ − ℓp), ``clip_mask`` =
+    Stats: ``loss``, ``importance_weight`` (unclipped ``exp(ℓθ − ℓp)`` on the mask *before* rejection sampling,
+    0 elsewhere; averaged over that mask it is AReaL's figure), ``approx_kl`` (ℓθ − ℓp), ``clip_mask`` =
     ``(rc ≠ r) ∧ m'`` (post-filter), all-False ``dual_clip_mask``, and the behave keys with rejection.
 
     Raises:

@@ -1,0 +1,173 @@
+"""Load the peers' own source files from unpacked wheels, with their heavy dependencies stubbed.
+
+Only the peer's files are executed (their functions are called as shipped); nothing of theirs is copied here.
+Third-party modules a peer file imports but never uses in the functions under test (ray, transformers, vllm,
+megatron, ...) are replaced by permissive stub modules. The peer's own packages are entered without running
+their ``__init__`` files (which import whole trainers), so only the modules the tests ask for are executed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+
+class _DummyMeta(type):
+    """Metaclass of stub objects: any attribute is another stub, indexing returns the stub itself."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return _dummy(f"{cls.__qualname__}.{name}")
+
+    def __getitem__(cls, item: Any) -> Any:
+        return cls
+
+    def __or__(cls, other: Any) -> Any:
+        return cls
+
+    def __add__(cls, other: Any) -> Any:  # ``Base._FIELDS + [...]`` in a subclass body keeps the subclass's part
+        return other
+
+    def __radd__(cls, other: Any) -> Any:
+        return other
+
+    def __ror__(cls, other: Any) -> Any:
+        return cls
+
+
+class _Dummy(metaclass=_DummyMeta):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Used as a decorator factory's result (``@deprecated("...")``): hand the decorated object back.
+        if len(args) == 1 and not kwargs and callable(args[0]):
+            return args[0]
+        return _Dummy()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return _Dummy()
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __iter__(self) -> Any:
+        return iter(())
+
+
+def _dummy(name: str) -> type:
+    return _DummyMeta(name.rsplit(".", 1)[-1], (_Dummy,), {"__qualname__": name, "__module__": name})
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        value = _dummy(f"{self.__name__}.{name}")
+        setattr(self, name, value)
+        return value
+
+
+class _PeerPackage(types.ModuleType):
+    """A peer package entered without running its ``__init__`` up front.
+
+    An attribute is a submodule when one exists; otherwise the package's ``__init__`` is run once (re-exports
+    such as ``from .functional import ppo_actor_loss_fn``) and, if the name is still missing or ``__init__``
+    fails on something stubbed, the attribute is a stub.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        for base in self.__path__:
+            if (Path(base) / f"{name}.py").exists() or (Path(base) / name).is_dir():
+                return importlib.import_module(f"{self.__name__}.{name}")
+        if not self.__dict__.get("_init_ran", False):
+            self.__dict__["_init_ran"] = True
+            init = Path(self.__path__[0]) / "__init__.py"
+            if init.exists():
+                # An __init__ that needs a real trainer fails: the missing names become stubs below.
+                with contextlib.suppress(Exception):
+                    exec(compile(init.read_text(), str(init), "exec"), self.__dict__)
+            if name in self.__dict__:
+                return self.__dict__[name]
+        value = _dummy(f"{self.__name__}.{name}")
+        setattr(self, name, value)
+        return value
+
+
+class _StubLoader(importlib.abc.Loader):
+    def __init__(self, package_dir: Path | None = None, version: str = "99.0.0") -> None:
+        self.package_dir = package_dir
+        self.version = version
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        if self.package_dir is not None:
+            mod: types.ModuleType = _PeerPackage(spec.name)
+            mod.__path__ = [str(self.package_dir)]
+            mod.__version__ = self.version
+        else:
+            mod = _StubModule(spec.name)
+            mod.__path__ = []
+            mod.__version__ = "99.0.0"  # version gates (``Version(x.__version__) >= ...``) take the newest branch
+        return mod
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self, roots: dict[str, Path], stubs: Iterable[str], versions: dict[str, str]) -> None:
+        self.roots = roots
+        self.versions = versions
+        self.stubs = set(stubs)
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        top = fullname.split(".")[0]
+        if top in self.roots:
+            rel = Path(*fullname.split("."))
+            candidate = self.roots[top] / rel
+            if candidate.is_dir():
+                return importlib.util.spec_from_loader(
+                    fullname, _StubLoader(candidate, self.versions.get(top, "0")), is_package=True
+                )
+            return None  # a real .py file: the path finder loads it from the parent's __path__
+        if top in self.stubs:
+            return importlib.util.spec_from_loader(fullname, _StubLoader(), is_package=True)
+        return None
+
+
+@contextlib.contextmanager
+def peer_imports(
+    roots: dict[str, Path], stubs: Iterable[str], versions: dict[str, str] | None = None
+) -> Iterator[None]:
+    """While active, ``import <peer>.x.y`` loads the unpacked files under ``roots`` (each maps a top-level package
+    name to the folder that holds it) and the modules in ``stubs`` that are not installed are permissive stubs.
+
+    On exit the finder and the stub modules leave ``sys.modules``/``sys.meta_path`` again (the peer modules keep
+    their references), so the rest of the test session never sees a fake ``transformers``.
+    """
+    stub_names = {s for s in stubs if s not in sys.modules and importlib.util.find_spec(s) is None}
+    for name in list(sys.modules):
+        if name.split(".")[0] in roots:
+            del sys.modules[name]
+    finder = _Finder(roots, stub_names, versions or {})
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+        for name in list(sys.modules):
+            if name.split(".")[0] in stub_names:
+                del sys.modules[name]
