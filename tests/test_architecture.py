@@ -2,7 +2,8 @@
 
 Every import counts: module level, inside functions and under ``TYPE_CHECKING``. The list, bottom to top:
 
-0. ``grpo_cli.errors``, ``grpo_cli._format`` — exceptions, exit codes, number formatting;
+0. ``grpo_cli.errors``, ``grpo_cli._format``, ``grpo_cli._choices``, ``grpo_cli._launch`` — exceptions, exit
+   codes, number formatting, the command line's choices, the launcher's environment (all torch-free);
 1. ``grpo_cli.core`` — pure torch;
 2. ``grpo_cli.io`` — Parquet in and out;
 3. ``grpo_cli.engine`` — the streaming run;
@@ -24,6 +25,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "grpo_cli"
 LAYERS = {
     "grpo_cli.errors": 0,
     "grpo_cli._format": 0,
+    "grpo_cli._choices": 0,
+    "grpo_cli._launch": 0,
     "grpo_cli.core": 1,
     "grpo_cli.io": 2,
     "grpo_cli.engine": 3,

@@ -34,6 +34,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from grpo_cli._choices import ADVANTAGE_ESTIMATORS
 from grpo_cli.core._loss_common import as_bool_mask, check_real, validate_cu_seqlens
 from grpo_cli.core.conventions import check_convention
 from grpo_cli.core.packing import lengths_from_cu_seqlens, packed_to_padded, padded_to_packed, segment_sum
@@ -69,8 +70,6 @@ __all__ = [
     "sequence_to_tokens",
 ]
 
-ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("gae", "grpo", "drgrpo", "rloo", "reinforce_pp")
-"""Estimator names the ``advantages`` command accepts (``--estimator``)."""
 
 _NORM_LEVELS = ("batch", "group", None)
 _F64 = torch.float64

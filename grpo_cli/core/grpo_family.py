@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from grpo_cli._choices import GRPO_VARIANTS
 from grpo_cli.core._loss_common import (
     as_bool_mask,
     check_real,
@@ -40,7 +41,6 @@ __all__ = [
     "grpo_family_valid_terms",
 ]
 
-GRPO_VARIANTS: tuple[str, ...] = ("grpo", "gspo", "sapo", "cispo", "bnpo", "dr_grpo")
 # twinkle clamps the token log-ratio to ±20 before exp (and before the GSPO mean); TRL does not clamp.
 LOG_RATIO_CLAMP = 20.0
 _SEQ_MEAN = ("grpo", "gspo", "sapo")

@@ -37,6 +37,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor
 
+from grpo_cli._choices import PROX_APPROX_METHODS
 from grpo_cli.core._loss_common import fill_outside
 from grpo_cli.core.packing import broadcast_to_tokens
 
@@ -53,8 +54,6 @@ __all__ = [
     "reduce_prox_errors",
 ]
 
-PROX_APPROX_METHODS: tuple[str, ...] = ("loglinear", "linear", "rollout")
-"""AReaL's ``PROX_APPROX_METHODS_ALL``, in AReaL's order (``ProxApproxMethod``)."""
 
 LINEAR_PROB_EPS: float = 1e-10
 """Added to the interpolated probability before the log in ``linear`` (AReaL's literal ``1e-10``)."""

@@ -9,6 +9,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from grpo_cli._choices import IMPORTANCE_LEVELS
 from grpo_cli.core.rejection import RejectionSamplingConfig
 from grpo_cli.errors import UsageError
 from grpo_cli.io.reader import DEFAULT_BATCH_TOKENS
@@ -60,7 +61,6 @@ def validate_stream(config: StreamConfig) -> None:
     if config.group_by is not None and config.group_by not in GROUP_BY_COLUMNS:
         raise UsageError(f"--group-by must be one of {', '.join(GROUP_BY_COLUMNS)}, got '{config.group_by}'")
 
-IMPORTANCE_LEVELS = ("token", "sequence")
 _RS_FIELDS = ("rs_level", "rs_action", "rs_metric", "rs_agg", "rs_upper", "rs_lower")
 
 

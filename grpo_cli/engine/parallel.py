@@ -40,11 +40,11 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from grpo_cli._launch import DistributedEnv, distributed_env, is_secondary_rank
 from grpo_cli.core.keyed_state import keyed_combine
 from grpo_cli.core.state import MetricState, Reduce, select_top_rows
 from grpo_cli.engine.config import StreamConfig
@@ -141,34 +141,6 @@ def split_by_bytes(sizes: Sequence[int], parts: int) -> list[range]:
 
 
 # -- torch.distributed ------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class DistributedEnv:
-    """What a ``torchrun`` (or any ``torch.distributed`` launcher) put in the environment."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-
-
-def distributed_env() -> DistributedEnv | None:
-    """The launch described by ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``, or ``None`` outside a multi-process launch."""
-    try:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
-        local = int(os.environ.get("LOCAL_RANK", str(rank)))
-    except ValueError:
-        return None
-    if world <= 1 or "RANK" not in os.environ:
-        return None
-    return DistributedEnv(rank, world, local)
-
-
-def is_secondary_rank() -> bool:
-    """True on every ``torchrun`` rank but 0: those write no report and no messages."""
-    env = distributed_env()
-    return env is not None and env.rank != 0
-
-
 def _init_process_group(env: DistributedEnv, device: torch.device) -> None:
     """Join the default process group (``env://``: the launcher's ``MASTER_ADDR``/``MASTER_PORT``) unless the caller
     already did. It is kept for the life of the process (destroyed at exit): destroying and re-creating the default

@@ -52,6 +52,7 @@ import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
+from grpo_cli._choices import CONVERT_FORMATS
 from grpo_cli.errors import InputError, UsageError
 from grpo_cli.io.presets import PRESETS, Preset, open_dataset, resolve_column_map
 from grpo_cli.io.schema import COLUMNS, Layout
@@ -59,7 +60,7 @@ from grpo_cli.io.writer import TOKEN_INPUTS, RolloutWriter, fast_write_options
 
 __all__ = ["FORMATS", "Check", "ConvertResult", "convert", "optimize_dump", "safe_torch_load"]
 
-FORMATS = ("slime-train", "slime-rollout", "torch-dict", "jsonl")
+FORMATS = CONVERT_FORMATS
 _CHUNK_TOKENS = 1 << 20
 _PER_SEQUENCE = ("rewards", "current_version", "group_id", "seq_id")
 

@@ -20,13 +20,13 @@ import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
+from grpo_cli._choices import DEFAULT_BATCH_TOKENS
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.errors import InputError
 from grpo_cli.io.schema import COLUMNS, REQUIRED_COLUMNS, ColumnKind, Layout
 
 __all__ = ["DEFAULT_BATCH_TOKENS", "RolloutDataset", "Shard", "expand_paths"]
 
-DEFAULT_BATCH_TOKENS = 1 << 18
 """Tokens per streamed batch: memory grows with it (Arrow's decoding buffers, the tensors, the metric temporaries),
 while throughput on a CPU is flat from about 2^16 up (docs/performance.md)."""
 READ_BUFFER_BYTES = 1 << 20

@@ -17,13 +17,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from grpo_cli._choices import FRAMEWORKS
 from grpo_cli.engine.figures import TRANSFORMS, PeerName
 from grpo_cli.metrics.registry import KEYS
 
 __all__ = ["FRAMEWORKS", "NAMES", "TRANSFORMS", "PeerName", "rename_keys", "rename_metrics", "rename_result", "sources"]
 
-FRAMEWORKS: tuple[str, ...] = ("areal", "verl", "trl", "twinkle")
-"""Frameworks ``--names`` accepts (besides ``grpo-cli``, the default: no renaming)."""
 
 def _tables() -> dict[str, dict[str, PeerName]]:
     tables: dict[str, dict[str, PeerName]] = {framework: {} for framework in FRAMEWORKS}

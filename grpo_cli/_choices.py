@@ -1,0 +1,51 @@
+"""The names users choose from on the command line, defined once and torch-free.
+
+The library's modules use these tuples (``grpo_cli.core.prox.PROX_APPROX_METHODS`` is
+:data:`PROX_APPROX_METHODS`, and so on) and the CLI builds its choice types from them, so ``--help`` needs no torch
+and the two never disagree.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "CONVERT_FORMATS",
+    "DEFAULT_BATCH_TOKENS",
+    "DEVICES",
+    "FRAMEWORKS",
+    "GRPO_VARIANTS",
+    "IMPORTANCE_LEVELS",
+    "ON_INVALID",
+    "PRESET_NAMES",
+    "PROX_APPROX_METHODS",
+]
+
+DEFAULT_BATCH_TOKENS = 1 << 18
+"""Tokens per streamed batch (``--batch-tokens``): bounds memory; the figures never depend on it."""
+
+ON_INVALID: tuple[str, ...] = ("error", "skip")
+"""``--on-invalid``: stop at the first invalid value, or drop (and count) the sequences that hold one."""
+
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+"""``--device``: where the core runs."""
+
+FRAMEWORKS: tuple[str, ...] = ("areal", "verl", "trl", "twinkle")
+"""Frameworks ``--names`` accepts (besides ``grpo-cli``, the default: no renaming)."""
+
+PRESET_NAMES: tuple[str, ...] = ("areal", "verl", "trl", "slime", "openrlhf", "twinkle")
+"""Frameworks with a column-map preset (``--preset``; ``grpo_cli.io.presets.PRESETS``)."""
+
+PROX_APPROX_METHODS: tuple[str, ...] = ("loglinear", "linear", "rollout")
+"""AReaL's ``PROX_APPROX_METHODS_ALL``, in AReaL's order (``ProxApproxMethod``)."""
+
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("gae", "grpo", "drgrpo", "rloo", "reinforce_pp")
+"""Estimator names the ``advantages`` command accepts (``--estimator``)."""
+
+GRPO_VARIANTS: tuple[str, ...] = ("grpo", "gspo", "sapo", "cispo", "bnpo", "dr_grpo")
+"""The GRPO-family loss objects (``--loss``, besides AReaL's ``ppo``)."""
+
+IMPORTANCE_LEVELS: tuple[str, ...] = ("token", "sequence")
+"""``--importance-level``: the PPO ratio per token or per sequence (GSPO)."""
+
+CONVERT_FORMATS: tuple[str, ...] = ("slime-train", "slime-rollout", "torch-dict", "jsonl")
+"""``convert --from``: the dump formats the converters read."""

@@ -1,0 +1,266 @@
+"""``analyze`` and ``compare-prox``: options → config → the command → a rendering."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from grpo_cli.cli._app import app
+from grpo_cli.cli._options import (
+    DEFAULT_BATCH_TOKENS,
+    BatchTokensOpt,
+    CClipOpt,
+    Device,
+    DeviceOpt,
+    EpsilonHighOpt,
+    EpsilonOpt,
+    FormatOpt,
+    ImportanceLevelOpt,
+    InvalidPolicy,
+    MapOpt,
+    NamesChoice,
+    NamesOpt,
+    OnInvalidOpt,
+    OutputFormat,
+    OutputOpt,
+    PathsArg,
+    PresetOpt,
+    ProxMethod,
+    QuietOpt,
+    RsActionOpt,
+    RsAggOpt,
+    RsLevelOpt,
+    RsLowerOpt,
+    RsMetricOpt,
+    RsUpperOpt,
+    TemperatureOpt,
+    WorkersOpt,
+    check_device,
+    config_from,
+    open_input,
+    progress_bar,
+    resolve_workers,
+    warn_skipped,
+    write_result,
+)
+from grpo_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from grpo_cli.engine.run import AnalysisResult
+
+__all__ = ["analyze", "compare_prox"]
+
+
+@app.command()
+def analyze(
+    paths: PathsArg,
+    epsilon: EpsilonOpt = 0.2,
+    epsilon_high: EpsilonHighOpt = None,
+    temperature: TemperatureOpt = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Report the k highest-KL tokens (0: off).")] = 10,
+    batch_tokens: BatchTokensOpt = DEFAULT_BATCH_TOKENS,
+    device: DeviceOpt = Device("cpu"),
+    output_format: FormatOpt = OutputFormat("table"),
+    output: OutputOpt = None,
+    column_map: MapOpt = None,
+    preset: PresetOpt = None,
+    group_by: Annotated[
+        str | None, typer.Option("--group-by", help="Also report every figure per value of this per-sequence column.")
+    ] = None,
+    metric_names: Annotated[
+        str | None, typer.Option("--metrics", help="Comma-separated metrics for the per-group table.")
+    ] = None,
+    loss: Annotated[
+        list[str] | None,
+        typer.Option("--loss", help="Loss to report (repeatable): grpo, gspo, sapo, cispo, bnpo, dr_grpo, ppo."),
+    ] = None,
+    c_clip: CClipOpt = None,
+    beta: Annotated[float, typer.Option("--beta", help="KL penalty coefficient of the GRPO-family losses.")] = 0.0,
+    tau_pos: Annotated[float, typer.Option("--tau-pos", help="SAPO gate temperature for A > 0.")] = 1.0,
+    tau_neg: Annotated[float | None, typer.Option("--tau-neg", help="SAPO gate temperature for A < 0.")] = None,
+    max_completion_length: Annotated[
+        int, typer.Option("--max-completion-length", help="Dr.GRPO's fixed normaliser.")
+    ] = 1024,
+    importance_level: ImportanceLevelOpt = "token",
+    rs_level: RsLevelOpt = None,
+    rs_action: RsActionOpt = None,
+    rs_metric: RsMetricOpt = None,
+    rs_agg: RsAggOpt = None,
+    rs_upper: RsUpperOpt = None,
+    rs_lower: RsLowerOpt = None,
+    on_invalid: OnInvalidOpt = InvalidPolicy("error"),
+    kl_clamp: Annotated[
+        float | None,
+        typer.Option("--kl-clamp", help="Clamp the per-token kl_ref/* estimates (the KL loss) to [-C, C] (default: "
+                     "none); kl/* are never clamped."),
+    ] = None,
+    is_threshold: Annotated[
+        float, typer.Option("--is-threshold", help="IS weight bound C: is/frac_high (w > C), is/frac_low (w < 1/C).")
+    ] = 2.0,
+    m2_threshold: Annotated[
+        float | None, typer.Option("--m2-threshold", help="M2PO threshold on the mean (old - prox)^2 (default: off).")
+    ] = None,
+    current_version: Annotated[
+        int | None,
+        typer.Option("--current-version", help="Trainer version v_θ when the dump has no current_version column."),
+    ] = None,
+    distill_weight: Annotated[
+        float, typer.Option("--distill-weight", help="AReaL distill_loss_weight w_d of loss/kd (teacher_logp).")
+    ] = 0.005,
+    rl_weight: Annotated[
+        float, typer.Option("--rl-weight", help="AReaL rl_loss_weight; 0 selects the importance-sampled loss/kd.")
+    ] = 1.0,
+    max_new_tokens: Annotated[
+        int | None,
+        typer.Option("--max-new-tokens", help="Without an eos column: a response this long had no EOS "
+                     "(seq/no_eos_frac)."),
+    ] = None,
+    names: NamesOpt = NamesChoice("grpo-cli"),
+    workers: WorkersOpt = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Every diagnostic of a rollout dump, streamed in one pass."""
+    from grpo_cli.commands.analyze import AnalyzeConfig
+    from grpo_cli.commands.analyze import analyze as run_analysis
+    from grpo_cli.render.documents import analyze_document, to_csv
+    from grpo_cli.render.tables import render_group_table, render_table
+
+    config = config_from(
+        AnalyzeConfig, locals(), device=check_device(device),
+        losses=None if not loss else tuple(name for item in loss for name in item.split(",") if name),
+    )
+    config.validate()
+    for note in config.ppo_notes():
+        typer.echo(f"grpo-cli: warning: {note}", err=True)
+    dataset = open_input(paths, column_map, preset)
+    with progress_bar(dataset.n_tokens, quiet) as progress:
+        result = run_analysis(dataset, config, progress=progress, workers=resolve_workers(workers, device))
+    warn_skipped(result.metrics)
+    from grpo_cli.metrics.names import rename_result
+
+    result, labels = rename_result(result, names.value)
+    selected = _select_metrics(metric_names, result, defaults=[
+        next((theirs for theirs, ours in labels.items() if ours == key), key) for key in DEFAULT_GROUP_METRICS
+    ])
+
+    def draw(console: Console) -> None:
+        render_table(console, title="grpo-cli analyze", metrics=result.metrics, omitted=result.omitted,
+                     inputs=result.inputs, config=result.config, sources=labels)
+        if group_by is not None:
+            render_group_table(console, group_by, result.groups, selected)
+
+    write_result(
+        output_format,
+        output,
+        document=lambda: analyze_document(result, preset=preset.value if preset is not None else None),
+        csv=lambda: to_csv(result.metrics, groups=result.groups if group_by is not None else None),
+        table=draw,
+    )
+
+
+DEFAULT_GROUP_METRICS = ("n_valid_tokens", "kl/k3", "clip/ratio", "ratio/max", "logp/diff_mean")
+
+
+def _select_metrics(names: str | None, result: AnalysisResult, defaults: list[str] | None = None) -> list[str]:
+    """The per-group table's columns: ``--metrics`` (validated) or a default set, as far as reported."""
+    available = set(result.metrics)
+    for group in result.groups:
+        available |= set(group["metrics"])
+    if names is None:
+        return [name for name in (DEFAULT_GROUP_METRICS if defaults is None else defaults) if name in available]
+    chosen = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in available]
+    if unknown:
+        raise UsageError(f"--metrics: not reported for this dump: {', '.join(unknown)} "
+                         f"(available: {', '.join(sorted(available))})")
+    return chosen
+
+
+
+
+@app.command("compare-prox")
+def compare_prox(
+    paths: PathsArg,
+    method: Annotated[
+        list[ProxMethod] | None,
+        typer.Option("--method", help="Approximation(s) to compare (repeatable; default all)."),
+    ] = None,
+    epsilon: EpsilonOpt = 0.2,
+    epsilon_high: EpsilonHighOpt = None,
+    c_clip: CClipOpt = None,
+    importance_level: ImportanceLevelOpt = "token",
+    rs_level: RsLevelOpt = None,
+    rs_action: RsActionOpt = None,
+    rs_metric: RsMetricOpt = None,
+    rs_agg: RsAggOpt = None,
+    rs_upper: RsUpperOpt = None,
+    rs_lower: RsLowerOpt = None,
+    tolerance: Annotated[
+        float, typer.Option("--tolerance", help="Bound on a lag's abs_error_mean for the max-safe-lag verdict.")
+    ] = 0.01,
+    current_version: Annotated[
+        int | None,
+        typer.Option("--current-version", help="Trainer version v_θ when the dump has no current_version column."),
+    ] = None,
+    max_lag: Annotated[
+        int, typer.Option("--max-lag", help="Lags 0..N-1 get a by-staleness row each; larger lags share one.")
+    ] = 64,
+    batch_tokens: BatchTokensOpt = DEFAULT_BATCH_TOKENS,
+    device: DeviceOpt = Device("cpu"),
+    output_format: FormatOpt = OutputFormat("table"),
+    output: OutputOpt = None,
+    column_map: MapOpt = None,
+    preset: PresetOpt = None,
+    on_invalid: OnInvalidOpt = InvalidPolicy("error"),
+    names: NamesOpt = NamesChoice("grpo-cli"),
+    workers: WorkersOpt = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """How close AReaL's proximal approximations come to the recomputed prox_logp, by staleness lag.
+
+    Rejection sampling is off unless an --rs-* option is given (the others then take AReaL's defaults:
+    token, mask, ratio, mean, upper 5).
+    """
+    from grpo_cli.commands.compare_prox import CompareProxConfig
+    from grpo_cli.commands.compare_prox import compare_prox as run_compare
+    from grpo_cli.core.prox import PROX_APPROX_METHODS
+    from grpo_cli.render.documents import compare_prox_document, to_csv
+    from grpo_cli.render.prox import render_compare_prox_table
+
+    chosen = [m.value for m in method or [ProxMethod("all")]]
+    methods = PROX_APPROX_METHODS if "all" in chosen else tuple(dict.fromkeys(chosen))
+    config = config_from(CompareProxConfig, locals(), methods=methods, device=check_device(device))
+    config.validate()
+    for note in config.ppo_notes():
+        typer.echo(f"grpo-cli: warning: {note}", err=True)
+    dataset = open_input(paths, column_map, preset)
+    if current_version is not None and "current_version" in dataset.columns:
+        typer.echo("grpo-cli: warning: --current-version is ignored: the dump has a current_version column", err=True)
+    with progress_bar(dataset.n_tokens, quiet) as progress:
+        result = run_compare(dataset, config, progress=progress, workers=resolve_workers(workers, device))
+    warn_skipped(result.metrics)
+    from grpo_cli.metrics.names import rename_result
+
+    result, labels = rename_result(result, names.value)
+
+    def draw(console: Console) -> None:
+        if labels:  # renamed keys: the plain sectioned table (the side-by-side layout needs grpo-cli's keys)
+            from grpo_cli.render.tables import render_table
+
+            render_table(console, title="grpo-cli compare-prox", metrics=result.metrics, omitted=result.omitted,
+                         inputs=result.inputs, config=result.config, sources=labels)
+            return
+        render_compare_prox_table(console, metrics=result.metrics, omitted=result.omitted, inputs=result.inputs,
+                                  config=result.config, methods=methods, recommendations=result.recommendations,
+                                  tolerance=tolerance)
+
+    write_result(
+        output_format,
+        output,
+        document=lambda: compare_prox_document(result, preset=preset.value if preset is not None else None),
+        csv=lambda: to_csv(result.metrics),
+        table=draw,
+    )

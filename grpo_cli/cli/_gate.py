@@ -1,0 +1,230 @@
+"""``check`` and ``report``: regression gates on a dump, and the offline HTML page with their verdicts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from grpo_cli.cli._app import app
+from grpo_cli.cli._options import (
+    DEFAULT_BATCH_TOKENS,
+    BatchTokensOpt,
+    Device,
+    DeviceOpt,
+    EpsilonHighOpt,
+    InvalidPolicy,
+    MapOpt,
+    OutputFormat,
+    OutputOpt,
+    PathsArg,
+    PresetOpt,
+    QuietOpt,
+    _choice,
+    check_device,
+    emit,
+    open_input,
+    progress_bar,
+    warn_skipped,
+    write_result,
+)
+from grpo_cli.errors import UsageError
+
+__all__ = ["check", "report"]
+
+CheckFormat = _choice("CheckFormat", ("table", "json", "github"),
+                      "``check``'s report formats (JUnit XML is a separate file: ``--junit-xml``).")
+
+
+@app.command()
+def check(
+    paths: PathsArg,
+    rules: Annotated[
+        list[Path] | None, typer.Option("--rules", "-r", help="TOML rules file (repeatable); see docs/check.md.")
+    ] = None,
+    rules_preset: Annotated[
+        str | None, typer.Option("--rules-preset", help="Built-in rule set needing no file: sanity.")
+    ] = None,
+    baseline: Annotated[
+        Path | None,
+        typer.Option("--baseline", help="Earlier `analyze`/`check --format json` output (for max_rel_increase, "
+                     "max_abs_change)."),
+    ] = None,
+    save_baseline: Annotated[
+        Path | None, typer.Option("--save-baseline", help="Also write this run's figures as a baseline JSON.")
+    ] = None,
+    warn_only: Annotated[bool, typer.Option("--warn-only", help="Report violations but exit 0.")] = False,
+    output_format: Annotated[CheckFormat, typer.Option("--format", "-f", help="Report format.")] = CheckFormat("table"),
+    output: OutputOpt = None,
+    junit_xml_path: Annotated[
+        Path | None, typer.Option("--junit-xml", help="Also write JUnit XML: one testcase per rule.")
+    ] = None,
+    epsilon: Annotated[
+        float | None,
+        typer.Option("--epsilon", "--clip-range", help="Lower clip width ε (default: the rules' [analyze], else 0.2)."),
+    ] = None,
+    epsilon_high: EpsilonHighOpt = None,
+    temperature: Annotated[
+        float | None, typer.Option("--temperature", help="Sampling temperature (default: the rules', else 1).")
+    ] = None,
+    on_invalid: Annotated[
+        InvalidPolicy | None,
+        typer.Option("--on-invalid", help="Invalid values (NaN/positive log-probs, ...): error (exit 2 at the "
+                     "first) or skip (drop and accept them). Default: drop them and fail 'input passes validation'."),
+    ] = None,
+    batch_tokens: BatchTokensOpt = DEFAULT_BATCH_TOKENS,
+    device: DeviceOpt = Device("cpu"),
+    column_map: MapOpt = None,
+    preset: PresetOpt = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Regression gate for CI: exit 0 if every error rule holds, 1 if one is violated, 2 on bad input.
+
+    Every rule is evaluated (never stopping at the first); a dump without a valid token never passes.
+    """
+    import os
+    import time
+
+    from grpo_cli.commands.check import RuleSet, analyze_config, load_baseline, load_rules, run_check
+    from grpo_cli.commands.check import preset as rule_preset
+    from grpo_cli.errors import CheckFailed
+    from grpo_cli.render.check import check_document, github_commands, junit_xml, markdown_summary, render_check_table
+    from grpo_cli.render.documents import dumps_json
+
+    if not rules and rules_preset is None and save_baseline is None:
+        raise UsageError("check needs --rules FILE or --rules-preset sanity (or only --save-baseline PATH to "
+                         "record a baseline)")
+    rule_set = RuleSet()
+    for path in rules or []:
+        rule_set = rule_set.merge(load_rules(path))
+    if rules_preset is not None:
+        rule_set = rule_set.merge(rule_preset(rules_preset))
+    config, require_valid = analyze_config(
+        rule_set,
+        all_figures=save_baseline is not None,
+        epsilon=epsilon,
+        epsilon_high=epsilon_high,
+        temperature=temperature,
+        batch_tokens=batch_tokens,
+        device=check_device(device),
+        on_invalid=on_invalid.value if on_invalid is not None else None,
+    )
+    for note in config.ppo_notes():
+        typer.echo(f"grpo-cli: warning: {note}", err=True)
+    base = load_baseline(baseline) if baseline is not None else None
+    dataset = open_input(paths, column_map, preset)
+    started = time.perf_counter()
+    with progress_bar(dataset.n_tokens, quiet) as progress:
+        report = run_check(dataset, rule_set, config, baseline=base, warn_only=warn_only,
+                           require_valid_input=require_valid, progress=progress)
+    elapsed = time.perf_counter() - started
+    warn_skipped(report.metrics)
+    for note in report.notes:
+        typer.echo(f"grpo-cli: warning: {note}", err=True)
+
+    def write(path: Path, text: str, option: str, mode: str = "w") -> None:
+        try:
+            with open(path, mode, encoding="utf-8") as handle:
+                handle.write(text)
+        except OSError as exc:
+            raise UsageError(f"{option} {path}: cannot write ({exc.strerror or exc})") from None
+
+    if junit_xml_path is not None:
+        write(junit_xml_path, junit_xml(report, elapsed=elapsed), "--junit-xml")
+    if save_baseline is not None:
+        write(save_baseline, dumps_json(check_document(report)), "--save-baseline")
+    if output_format.value == "github":
+        emit(github_commands(report), output)
+        summary = os.environ.get("GITHUB_STEP_SUMMARY")
+        if summary:
+            write(Path(summary), markdown_summary(report), "$GITHUB_STEP_SUMMARY", mode="a")
+    else:
+        write_result(
+            OutputFormat(output_format.value),
+            output,
+            document=lambda: check_document(report),
+            csv=lambda: "",  # not offered by CheckFormat
+            table=lambda console: render_check_table(console, report),
+        )
+    if report.exit_code:
+        raise CheckFailed(report.headline())
+
+
+@app.command()
+def report(
+    paths: PathsArg,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the HTML page.")],
+    rules: Annotated[
+        list[Path] | None,
+        typer.Option("--rules", "-r", help="Also show the verdict of these TOML rules (repeatable; docs/check.md); "
+                     "their [analyze]/[compare_prox] options apply."),
+    ] = None,
+    epsilon: Annotated[
+        float | None,
+        typer.Option("--epsilon", "--clip-range", help="Lower clip width ε (default: the rules' [analyze], else 0.2)."),
+    ] = None,
+    epsilon_high: EpsilonHighOpt = None,
+    temperature: Annotated[
+        float | None, typer.Option("--temperature", help="Sampling temperature (default: the rules', else 1).")
+    ] = None,
+    top_k: Annotated[int, typer.Option("--top-k", help="List the k highest-KL tokens (0: off).")] = 10,
+    tolerance: Annotated[
+        float | None,
+        typer.Option("--tolerance", help="compare-prox: bound on a lag's abs_error_mean for the max-safe-lag "
+                     "verdict (default: the rules' [compare_prox], else 0.01)."),
+    ] = None,
+    current_version: Annotated[
+        int | None,
+        typer.Option("--current-version", help="Trainer version v_θ when the dump has no current_version column."),
+    ] = None,
+    on_invalid: Annotated[
+        InvalidPolicy | None,
+        typer.Option("--on-invalid", help="Invalid values: error (exit 2 at the first) or skip (drop and accept "
+                     "them). Default, as check: drop them and fail 'input passes validation'."),
+    ] = None,
+    batch_tokens: BatchTokensOpt = DEFAULT_BATCH_TOKENS,
+    device: DeviceOpt = Device("cpu"),
+    column_map: MapOpt = None,
+    preset: PresetOpt = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """One self-contained offline HTML page: per-step trends, distributions, staleness, compare-prox and the
+    `check --rules-preset sanity` verdict (docs/report.md). Exit 0 whatever the verdicts say."""
+    from grpo_cli.commands.check import load_rules
+    from grpo_cli.commands.check import preset as rule_preset
+    from grpo_cli.commands.report import build_report, report_configs
+    from grpo_cli.render.html import render_html
+
+    rule_sets = [("sanity", rule_preset("sanity"))]
+    if rules:
+        from grpo_cli.commands.check import RuleSet
+
+        merged = RuleSet()
+        for path in rules:
+            merged = merged.merge(load_rules(path))
+        rule_sets.append(("rules", merged))
+    analyze_config, prox_config, require_valid = report_configs(
+        rule_sets,
+        top_k=top_k,
+        tolerance=tolerance,
+        epsilon=epsilon,
+        epsilon_high=epsilon_high,
+        temperature=temperature,
+        current_version=current_version,
+        batch_tokens=batch_tokens,
+        device=check_device(device),
+        on_invalid=on_invalid.value if on_invalid is not None else None,
+    )
+    for note in analyze_config.ppo_notes():
+        typer.echo(f"grpo-cli: warning: {note}", err=True)
+    dataset = open_input(paths, column_map, preset)
+    with progress_bar(dataset.n_tokens, quiet) as progress:
+        result = build_report(dataset, rule_sets, analyze_config, prox_config, require_valid=require_valid,
+                              progress=progress, preset=preset.value if preset is not None else None)
+    warn_skipped(result.analysis.metrics)
+    page = render_html(result)
+    emit(page, output)
+    if not quiet:
+        verdicts = "; ".join(f"{label}: {check.headline()}" for label, check in result.checks)
+        typer.echo(f"wrote {output} ({len(page.encode()) / 1024:,.0f} KiB) — {verdicts}", err=True)

@@ -1,0 +1,251 @@
+"""What the commands share: choice types, option declarations, and the steps around every command (progress,
+``--workers``, ``--device``, the input, the output format). Nothing here imports torch: ``--help`` stays fast."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from grpo_cli._choices import (
+    ADVANTAGE_ESTIMATORS,
+    CONVERT_FORMATS,
+    DEFAULT_BATCH_TOKENS,
+    DEVICES,
+    FRAMEWORKS,
+    ON_INVALID,
+    PRESET_NAMES,
+    PROX_APPROX_METHODS,
+)
+from grpo_cli._launch import distributed_env, is_secondary_rank
+from grpo_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from grpo_cli.io.reader import RolloutDataset
+
+__all__ = [
+    "DEFAULT_BATCH_TOKENS",
+    "Device",
+    "Estimator",
+    "InvalidPolicy",
+    "NamesChoice",
+    "OutputFormat",
+    "PresetName",
+    "ProxMethod",
+    "ConvertFormat",
+    "check_device",
+    "config_from",
+    "emit",
+    "open_input",
+    "progress_bar",
+    "resolve_workers",
+    "write_result",
+    "warn_skipped",
+]
+
+
+def _choice(name: str, values: Sequence[str], doc: str) -> Any:
+    """A string enum whose members are ``values`` (a typer choice type), built from the library's own tuple."""
+    members = enum.Enum(name, {value: value for value in values}, type=str)  # type: ignore[misc]
+    members.__doc__ = doc
+    return members
+
+
+OutputFormat = _choice("OutputFormat", ("table", "json", "csv"), "``--format``.")
+InvalidPolicy = _choice("InvalidPolicy", ON_INVALID, "``--on-invalid``.")
+Device = _choice("Device", DEVICES, "``--device``.")
+NamesChoice = _choice("NamesChoice", ("grpo-cli", *FRAMEWORKS), "``--names``: grpo-cli's own keys or a framework's.")
+PresetName = _choice("PresetName", PRESET_NAMES, "``--preset``: a framework's column map.")
+ProxMethod = _choice("ProxMethod", (*PROX_APPROX_METHODS, "all"), "``compare-prox --method``.")
+Estimator = _choice("Estimator", ADVANTAGE_ESTIMATORS, "``advantages --estimator``.")
+ConvertFormat = _choice("ConvertFormat", CONVERT_FORMATS, "``convert --from``.")
+
+PathsArg = Annotated[
+    list[str], typer.Argument(metavar="PATHS", help="Parquet files, directories (recursive) or quoted globs.")
+]
+EpsilonOpt = Annotated[float, typer.Option("--epsilon", "--clip-range", help="Lower clip width ε.")]
+EpsilonHighOpt = Annotated[
+    float | None, typer.Option("--epsilon-high", "--clip-range-high", help="Upper clip width (default ε).")
+]
+TemperatureOpt = Annotated[
+    float,
+    typer.Option("--temperature", help="Sampling temperature; log-probs are rescaled by it (as twinkle's GRPOMetric "
+                 "does)."),
+]
+BatchTokensOpt = Annotated[
+    int,
+    typer.Option("--batch-tokens", help="Token budget per streamed batch: bounds memory (docs/performance.md; "
+                 "use millions with --device cuda)."),
+]
+DeviceOpt = Annotated[Device, typer.Option("--device", help="Where the core runs.")]  # type: ignore[valid-type]
+FormatOpt = Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")]
+OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Write the report here instead of stdout.")]
+MapOpt = Annotated[
+    list[str] | None, typer.Option("--map", help="Rename a column: canonical=actual (repeatable).")
+]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+WorkersOpt = Annotated[
+    int | None,
+    typer.Option("--workers", help="CPU cores to use: processes read (file, row-group) units in parallel and the "
+                 "cores left to each compute its metrics in threads (default: the available cores; 1 per torchrun "
+                 "rank or with --device cuda). No figure depends on it (docs/performance.md)."),
+]
+
+
+NamesOpt = Annotated[
+    NamesChoice,
+    typer.Option("--names", help="Report every figure that has an equivalent under the key that framework logs, "
+                 "in its sign convention (docs/metrics.md, 'Names per framework')."),
+]
+
+
+PresetOpt = Annotated[
+    PresetName | None,
+    typer.Option(
+        "--preset",
+        help="Read a dump written with a framework's own tensor names and conventions (renames, un-rolls "
+        "next-token-aligned columns); `grpo-cli schema --preset NAME` shows the map. --map wins over it.",
+    ),
+]
+OnInvalidOpt = Annotated[
+    InvalidPolicy,
+    typer.Option(
+        "--on-invalid",
+        help="Invalid values (NaN/positive log-probs, masks not 0/1, versions above current_version, ...): "
+        "error (exit 2 naming file, column, row) or skip (drop those sequences, count them under invalid/*).",
+    ),
+]
+CClipOpt = Annotated[float | None, typer.Option("--c-clip", help="Dual-clip constant (> 1); default off.")]
+ImportanceLevelOpt = Annotated[
+    str, typer.Option("--importance-level", help="PPO ratio per token or per sequence (GSPO): token|sequence.")
+]
+RsLevelOpt = Annotated[str | None, typer.Option("--rs-level", help="Rejection sampling granularity: token|sequence.")]
+RsActionOpt = Annotated[str | None, typer.Option("--rs-action", help="Rejection sampling action: mask|clamp.")]
+RsMetricOpt = Annotated[
+    str | None, typer.Option("--rs-metric", help="Rejection sampling metric: ratio|kl_k1|kl_k2|kl_k3.")
+]
+RsAggOpt = Annotated[str | None, typer.Option("--rs-agg", help="Rejection sampling aggregation: sum|mean|max.")]
+RsUpperOpt = Annotated[float | None, typer.Option("--rs-upper", help="Rejection sampling upper bound (AReaL: 5).")]
+RsLowerOpt = Annotated[float | None, typer.Option("--rs-lower", help="Rejection sampling lower bound.")]
+
+
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, quiet: bool) -> Iterator[Callable[[int], None] | None]:
+    """A token progress bar on stderr, only on a terminal and for inputs big enough to wait for."""
+    if quiet or total < 2_000_000 or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from grpo_cli.render.console import make_console
+
+    with Progress(
+        TextColumn("reading"),
+        BarColumn(),
+        TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
+        TimeRemainingColumn(),
+        console=make_console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("tokens", total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def resolve_workers(workers: int | None, device: Device) -> int:
+    """``--workers``: the available cores by default; one per torchrun rank (each rank is a process) and with
+    ``--device cuda`` (one process drives the GPU while a thread decodes ahead)."""
+    if workers is None:
+        if distributed_env() is not None or device.value == "cuda":
+            return 1
+        from grpo_cli.engine.parallel import available_cores
+
+        return available_cores()
+    if workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {workers}")
+    return workers
+
+
+def check_device(device: Device) -> str:
+    """``--device``'s value, refused (exit 2) when CUDA is asked for and absent."""
+    if device.value == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+    return device.value
+
+
+def warn_skipped(metrics: Mapping[str, Any]) -> None:
+    """One warning line on stderr when ``--on-invalid skip`` dropped sequences (every command calls this)."""
+    from grpo_cli.engine.validate import skipped_warning
+
+    warning = skipped_warning(metrics)
+    if warning is not None:
+        typer.echo(f"grpo-cli: warning: {warning}", err=True)
+
+
+def emit(text: str, output: Path | None) -> None:
+    if output is None:
+        sys.stdout.write(text)
+        return
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"--output {output}: cannot write ({exc.strerror or exc})") from None
+
+
+def open_input(paths: Sequence[str], column_map: Sequence[str] | None, preset: Any) -> RolloutDataset:
+    """The dataset the command reads: ``paths`` with ``--map`` renames over the ``--preset``'s column map."""
+    from grpo_cli.io.presets import open_dataset
+    from grpo_cli.io.schema import parse_column_map
+
+    return open_dataset(paths, parse_column_map(column_map), preset.value if preset is not None else None)
+
+
+def config_from(config_type: type, values: Mapping[str, Any], **overrides: Any) -> Any:
+    """``config_type`` (a dataclass) built from the command's parameters ``values`` whose names are its fields (enum
+    choices as their values), then ``overrides``: one place that hands options to the library."""
+    fields = {f.name for f in dataclasses.fields(config_type)}
+    chosen = {name: (value.value if isinstance(value, enum.Enum) else value)
+              for name, value in values.items() if name in fields}
+    chosen.update(overrides)
+    return config_type(**chosen)
+
+
+def write_result(
+    output_format: OutputFormat,
+    output: Path | None,
+    *,
+    document: Callable[[], dict[str, Any]],
+    csv: Callable[[], str],
+    table: Callable[[Console], None],
+) -> None:
+    """Render one result in the chosen format to stdout or ``--output`` (every command's last step)."""
+    from grpo_cli.render.console import make_console
+    from grpo_cli.render.documents import dumps_json
+
+    if is_secondary_rank():
+        return  # under torchrun only rank 0 writes the report
+
+    if output_format is OutputFormat.json:
+        emit(dumps_json(document()), output)
+    elif output_format is OutputFormat.csv:
+        emit(csv(), output)
+    elif output is None:
+        table(make_console())
+    else:
+        import io
+
+        buffer = io.StringIO()
+        table(make_console(file=buffer))
+        emit(buffer.getvalue(), output)
