@@ -267,7 +267,7 @@ class GRPODumpMixin:
             return
         if self._grpo_captured is None:
             raise RuntimeError(
-                "GRPOTrainer._compute_loss did not call _get_per_token_logps_and_entropies (e.g. use_liger_loss): "
+                "GRPOTrainer._compute_loss did not call _get_per_token_logps_and_entropies (a patched loss?): "
                 "no per-token log-probs to dump"
             )
         new_logp, entropy = self._grpo_captured
