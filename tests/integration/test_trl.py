@@ -1,10 +1,11 @@
 """The TRL recipe inside a real TRL ``GRPOTrainer`` (CPU, a tiny model built here, nothing downloaded).
 
 The python block of ``docs/recipes/trl.md`` is executed as printed to get ``DumpingGRPOTrainer``; a 2-layer Llama
-is trained for 8 steps (``num_iterations=2``, ``beta=0.04``, two reward functions), once without and once with
-evaluation. Then ``grpo-cli analyze DUMP --names trl --group-by step --format json``, run through the CLI, must
-equal ``trainer.state.log_history`` for every key both have, to 1e-4 relative. Keys whose conventions differ
-(TRL averages per micro-batch, grpo-cli pools the step's tokens; TRL's ``kl`` is importance-weighted) are strict
+is trained for 8 steps (``num_iterations=2``, ``beta=0.04``, two reward functions) without evaluation, for 4 steps
+with evaluation every 2 steps, and for 2 steps with ``mask_truncated_completions``. Then
+``grpo-cli analyze DUMP --names trl --group-by step --format json``, run through the CLI, must equal
+``trainer.state.log_history`` for every key both have, to 1e-4 relative. Keys whose conventions differ (TRL
+averages per micro-batch, grpo-cli pools the step's tokens; TRL's ``kl`` is importance-weighted) are strict
 xfails; a reference computation from the dump's ``micro_batch`` column shows the dump holds what TRL averaged.
 """
 
@@ -113,7 +114,7 @@ def train(root: Path, name: str, *, evaluate: bool, **overrides: Any) -> dict[st
         kwargs["eval_dump_dir"] = str(out / "eval_dump")
     trainer = trainer_cls(
         model=str(model_dir), reward_funcs=[tiny.reward_correct, tiny.reward_short], args=GRPOConfig(**config),
-        train_dataset=tiny.make_dataset(64), eval_dataset=tiny.make_dataset(8, seed=1) if evaluate else None,
+        train_dataset=tiny.make_dataset(64), eval_dataset=tiny.make_dataset(4, seed=1) if evaluate else None,
         processing_class=AutoTokenizer.from_pretrained(model_dir), **kwargs,
     )
     threads = torch.get_num_threads()
@@ -124,6 +125,7 @@ def train(root: Path, name: str, *, evaluate: bool, **overrides: Any) -> dict[st
         torch.set_num_threads(threads)
     return {
         "dump": out / "dump", "eval_dump": out / "eval_dump", "log": trainer.state.log_history,
+        "steps": config["max_steps"],
         "eos_token_ids": list(trainer.eos_token_ids), "pad_token_id": trainer.processing_class.pad_token_id,
     }
 
@@ -201,7 +203,7 @@ def plain(root: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def with_eval(root: Path) -> dict[str, Any]:
-    run = train(root, "eval", evaluate=True)
+    run = train(root, "eval", evaluate=True, max_steps=4, eval_steps=2)
     run["analysis"] = analyze(run["dump"])
     run["eval_analysis"] = analyze(run["eval_dump"])
     return run
@@ -256,9 +258,10 @@ def test_dump_steps_ids_and_forwards(run: dict[str, Any]):
     table = read_dump(run["dump"])
     logged = train_log(run)
     steps = table.column("step").to_pylist()
-    assert sorted(set(steps)) == sorted(logged) == list(range(1, STEPS + 1))  # the steps TRL logged
+    n_steps = run["steps"]
+    assert sorted(set(steps)) == sorted(logged) == list(range(1, n_steps + 1))  # the steps TRL logged
     rows = table.to_pylist()
-    for step in range(1, STEPS + 1):
+    for step in range(1, n_steps + 1):
         in_step = [r for r in rows if r["step"] == step]
         assert len(in_step) == GRAD_ACC * PER_DEVICE
         # two micro-batches per step, numbered across the run
@@ -278,7 +281,7 @@ def test_dump_steps_ids_and_forwards(run: dict[str, Any]):
     second_pass = {r["seq_id"]: r["new_logp"] for r in rows if r["step"] == 2}
     assert first_pass.keys() == second_pass.keys()
     assert any(first_pass[k] != second_pass[k] for k in first_pass)
-    assert run["analysis"]["metrics"]["groups/n"] == STEPS // 2 * GRAD_ACC * PER_DEVICE // NUM_GENERATIONS  # 16
+    assert run["analysis"]["metrics"]["groups/n"] == n_steps // 2 * GRAD_ACC * PER_DEVICE // NUM_GENERATIONS
 
 
 def test_keys_in_common_are_the_known_ones(run: dict[str, Any]):
@@ -290,7 +293,7 @@ def test_keys_in_common_are_the_known_ones(run: dict[str, Any]):
 @pytest.mark.parametrize("key", AGREE)
 def test_analyze_equals_trl_log(run: dict[str, Any], key: str):
     compared, bad = mismatches(by_step(run["analysis"]), train_log(run), key)
-    assert compared == STEPS // 2  # TRL logs these on the 4 steps that generate
+    assert compared == run["steps"] // 2  # TRL logs these on the steps that generate (every other one)
     assert not bad, bad
 
 
@@ -299,7 +302,7 @@ def test_analyze_equals_trl_log(run: dict[str, Any], key: str):
 )
 def test_analyze_equals_trl_log_pooled_keys(plain: dict[str, Any], key: str):
     compared, bad = mismatches(by_step(plain["analysis"]), train_log(plain), key)
-    assert compared == STEPS
+    assert compared == plain["steps"]
     assert not bad, bad
 
 
@@ -307,7 +310,7 @@ def test_analyze_equals_trl_log_pooled_keys(plain: dict[str, Any], key: str):
 def test_micro_batch_column_rebuilds_trl_averages(run: dict[str, Any], key: str):
     reference = per_micro_batch_reference(read_dump(run["dump"]))
     compared, bad = mismatches(reference, train_log(run), key)
-    assert compared == STEPS
+    assert compared == run["steps"]
     assert not bad, bad
 
 
@@ -325,15 +328,15 @@ def test_eval_dump_is_its_own_split(with_eval: dict[str, Any]):
     from grpo_cli.io import read_metadata
 
     logged = eval_log(with_eval)
-    assert sorted(logged) == [4, 8]
+    assert sorted(logged) == [2, 4]
     files = sorted(with_eval["eval_dump"].glob("*.parquet"))
     assert {read_metadata(f)["split"] for f in files} == {"eval"}
     table = read_dump(with_eval["eval_dump"])
-    assert sorted(set(table.column("step").to_pylist())) == [4, 8]
-    # 8 prompts x 4 generations per evaluation, in batches of 8: 4 micro-batches each
-    for step in (4, 8):
+    assert sorted(set(table.column("step").to_pylist())) == [2, 4]  # the steps of the eval_* log entries
+    # 4 prompts x 4 generations per evaluation, in batches of 8: 2 micro-batches each
+    for step in (2, 4):
         rows = [r for r in table.to_pylist() if r["step"] == step]
-        assert len(rows) == 32 and len({r["micro_batch"] for r in rows}) == 4
+        assert len(rows) == 16 and len({r["micro_batch"] for r in rows}) == 2
     assert {read_metadata(f)["split"] for f in with_eval["dump"].glob("*.parquet")} == {"train"}
 
 
@@ -350,5 +353,29 @@ def test_eval_analyze_equals_trl_eval_log(with_eval: dict[str, Any], key: str):
 def test_eval_micro_batch_column_rebuilds_trl_averages(with_eval: dict[str, Any], key: str):
     reference = per_micro_batch_reference(read_dump(with_eval["eval_dump"]))
     compared, bad = mismatches(reference, eval_log(with_eval), key, prefix="eval_")
+    assert compared == 2
+    assert not bad, bad
+
+
+# -- mask_truncated_completions -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def masked(root: Path) -> dict[str, Any]:
+    run = train(root, "masked", evaluate=False, mask_truncated_completions=True, num_iterations=1, max_steps=2)
+    run["analysis"] = analyze(run["dump"])
+    return run
+
+
+def test_mask_truncated_rows_are_empty_and_cut_off(masked: dict[str, Any]):
+    rows = read_dump(masked["dump"]).to_pylist()
+    assert len(rows) == 2 * GRAD_ACC * PER_DEVICE
+    cut = [r for r in rows if r["eos"] == 0]
+    assert cut and all(len(r["new_logp"]) == 0 for r in cut)  # zeroed by TRL: not trained on, stored empty
+    assert all(len(r["new_logp"]) > 0 for r in rows if r["eos"] == 1)
+    assert "prox_logp" not in read_dump(masked["dump"]).column_names  # TRL skips the recompute here
+
+
+@pytest.mark.parametrize("key", ["reward", "frac_reward_zero_std", "completions/clipped_ratio"])
+def test_mask_truncated_analyze_equals_trl_log(masked: dict[str, Any], key: str):
+    compared, bad = mismatches(by_step(masked["analysis"]), train_log(masked), key)
     assert compared == 2
     assert not bad, bad
