@@ -253,6 +253,14 @@ class GRPODumpMixin:
                 "loss_type": args.loss_type, "epsilon_low": args.epsilon, "epsilon_high": args.epsilon_high,
                 "beta": args.beta, "num_generations": self.num_generations,  # type: ignore[attr-defined]
                 "num_iterations": args.num_iterations, "importance_sampling_level": args.importance_sampling_level,
+                "use_bias_correction_kl": args.use_bias_correction_kl, "delta": args.delta,
+                "scale_rewards": args.scale_rewards, "logging_steps": args.logging_steps,
+                "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                "steps_per_generation": args.steps_per_generation,
+                # rows of one generation batch (all processes; in evaluation one eval batch per process):
+                # seq_id // generation_batch_size numbers the generation batches
+                "generation_batch_size": args.generation_batch_size if mode == "train"
+                else args.per_device_eval_batch_size * self.accelerator.num_processes,  # type: ignore[attr-defined]
             }
             rank = self.accelerator.process_index  # type: ignore[attr-defined]
             writer = RolloutWriter(self._grpo_dirs[mode], rank=rank, metadata=metadata)

@@ -321,6 +321,9 @@ def test_metadata(plain: dict[str, Any]):
     assert meta["framework"] == "trl" and meta["framework_version"] == trl.__version__
     assert meta["split"] == "train" and meta["window"] == "response" and meta["num_iterations"] == 2
     assert meta["temperature"] == 1.0 and meta["logprobs_mode"] == "none"
+    assert meta["use_bias_correction_kl"] is True and meta["generation_batch_size"] == GRAD_ACC * PER_DEVICE
+    rows = read_dump(plain["dump"]).to_pylist()  # one generation batch per pair of steps (num_iterations=2)
+    assert all(r["seq_id"] // meta["generation_batch_size"] == (r["step"] - 1) // 2 for r in rows)
 
 
 # -- evaluation ---------------------------------------------------------------------------------------------------
@@ -331,6 +334,7 @@ def test_eval_dump_is_its_own_split(with_eval: dict[str, Any]):
     assert sorted(logged) == [2, 4]
     files = sorted(with_eval["eval_dump"].glob("*.parquet"))
     assert {read_metadata(f)["split"] for f in files} == {"eval"}
+    assert {read_metadata(f)["generation_batch_size"] for f in files} == {8}  # one eval batch
     table = read_dump(with_eval["eval_dump"])
     assert sorted(set(table.column("step").to_pylist())) == [2, 4]  # the steps of the eval_* log entries
     # 4 prompts x 4 generations per evaluation, in batches of 8: 2 micro-batches each
