@@ -221,7 +221,7 @@ class GRPODumpMixin:
         try:
             return super().train(*args, **kwargs)  # type: ignore[misc]
         finally:
-            self.close_dumps()
+            self.flush_dumps()  # the last step's part file is complete when train returns (or raises)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -232,8 +232,17 @@ class GRPODumpMixin:
                 writer.flush()  # each evaluation's part file is complete when evaluate returns
 
     # -- the dump -------------------------------------------------------------------------------------------------
+    def flush_dumps(self) -> None:
+        """Finish the open part files; the writers stay usable (``train`` calls this when it returns or raises).
+
+        A later ``train``/``evaluate`` of the same trainer keeps writing to the same directories; a step written
+        again gets a new part file (``-1``, ``-2``, … suffix) instead of replacing the earlier one.
+        """
+        for writer in self._grpo_writers.values():
+            writer.flush()
+
     def close_dumps(self) -> None:
-        """Finish and close the part files (``train`` calls it when it returns or raises)."""
+        """Finish the part files and close the writers (a later forward opens new writers)."""
         writers, self._grpo_writers = self._grpo_writers, {}
         for writer in writers.values():
             writer.close()
