@@ -42,7 +42,7 @@ class _Once:
 PER_TOKEN_COLUMNS = (
     "new_logp", "old_logp", "prox_logp", "ref_logp", "entropy", "versions", "advantages", "teacher_logp"
 )
-PER_SEQUENCE_COLUMNS = ("rewards", "current_version", "step", "group_id", "seq_id", "eos")
+PER_SEQUENCE_COLUMNS = ("rewards", "current_version", "step", "group_id", "seq_id", "eos", "micro_batch")
 
 
 @dataclass
@@ -60,6 +60,7 @@ class TokenBatch:
         current_version, step, group_id, seq_id: ``[B]`` int64 or ``None``.
         teacher_logp: ``[N]`` teacher-model log-probs (distillation) or ``None``.
         eos: ``[B]`` int64, 1 where the sequence ended with EOS, 0 where it was cut off, or ``None``.
+        micro_batch: ``[B]`` int64 id of the training micro-batch (forward) the sequence came from, or ``None``.
         file_index: index of the source file in the sorted input list.
         rows: ``[B]`` int64 row of each sequence in its file (for token-per-row files, its first token's row).
         positions: ``[N]`` int64 position of each token within its sequence (set on valid views only).
@@ -81,6 +82,7 @@ class TokenBatch:
     seq_id: Tensor | None = None
     teacher_logp: Tensor | None = None
     eos: Tensor | None = None
+    micro_batch: Tensor | None = None
     file_index: int = 0
     rows: Tensor | None = None
     positions: Tensor | None = field(default=None)

@@ -52,6 +52,7 @@ COLUMNS: dict[str, ColumnSpec] = {
         ColumnSpec("group_id", ColumnKind.SEQUENCE_INT, "GRPO group (prompt) id"),
         ColumnSpec("seq_id", ColumnKind.SEQUENCE_INT, "sequence id (groups rows in the token-per-row layout)"),
         ColumnSpec("eos", ColumnKind.SEQUENCE_INT, "1 = the sequence ended with EOS, 0 = cut off (bool or int)"),
+        ColumnSpec("micro_batch", ColumnKind.SEQUENCE_INT, "training micro-batch (forward) the sequence came from"),
     )
 }
 

@@ -11,8 +11,8 @@ and ``writer.close()`` at the end (or use it as a context manager). What it does
   the same form): padded ``[B, T]`` tensors (sequence lengths from ``attention_mask``, ``lengths``, or else the
   last loss-mask position of each row), packed ``[N]`` tensors with ``cu_seqlens``, or lists of 1-D tensors.
   Tensors may live on any device and have any float dtype (bfloat16/float16 are stored as float32). Per-sequence
-  values (``rewards``, ``current_version``, ``group_id``, ``seq_id``, and ``advantages`` when it has one value per
-  sequence) are ``[B]``/``[B, 1]`` tensors, lists, or one scalar for the whole call.
+  values (``rewards``, ``current_version``, ``group_id``, ``seq_id``, ``micro_batch``, ``eos``, and ``advantages``
+  when it has one value per sequence) are ``[B]``/``[B, 1]`` tensors, lists, or one scalar for the whole call.
 * **Absent columns stay absent**: a column you do not pass is not written (never zeros), so ``analyze`` omits the
   figures that need it.
 * **Alignment**: ``alignment="next_token"`` (value t belongs to token t + 1: AReaL's loss inputs, twinkle, OpenRLHF)
@@ -407,6 +407,7 @@ class RolloutWriter:
         current_version: Any = None,
         group_id: Any = None,
         seq_id: Any = None,
+        micro_batch: Any = None,
         cu_seqlens: Any = None,
         lengths: Any = None,
         attention_mask: Any = None,
@@ -424,6 +425,8 @@ class RolloutWriter:
             old_logp, prox_logp, ref_logp, entropy, loss_mask, versions: per-token inputs or ``None`` (absent).
             advantages: per token (like ``new_logp``) or per sequence (``[B]``, ``[B, 1]``, scalars).
             rewards, current_version, group_id, seq_id: per sequence (``[B]``, ``[B, 1]``, a list, or a scalar).
+            micro_batch: per sequence like ``seq_id`` (usually one scalar per call): the id of the training
+                micro-batch (forward) these rows come from, so per-micro-batch averages can be rebuilt.
             **columns: any other schema-v1 column by name (``teacher_logp`` per token, ``eos`` per sequence, …).
             cu_seqlens: ``[B + 1]`` offsets for packed inputs.
             lengths: ``[B]`` true lengths of right-padded ``[B, T]`` rows.
@@ -451,7 +454,7 @@ class RolloutWriter:
         inputs = {"new_logp": new_logp, "old_logp": old_logp, "prox_logp": prox_logp, "ref_logp": ref_logp,
                   "entropy": entropy, "loss_mask": loss_mask, "versions": versions, "advantages": advantages,
                   "rewards": rewards, "current_version": current_version, "group_id": group_id, "seq_id": seq_id,
-                  **columns}
+                  "micro_batch": micro_batch, **columns}
         aligned = _alignments(alignment, column_alignment, window)
         layout = _Layout(
             new_logp, cu_seqlens=cu_seqlens, lengths=lengths, attention_mask=attention_mask, loss_mask=loss_mask,
