@@ -10,7 +10,8 @@ import pytest
 import torch
 from dump_columns import f32s, read_columns
 
-from grpo_cli.cli import PresetName, main
+from grpo_cli._choices import PRESET_NAMES
+from grpo_cli.cli import main
 from grpo_cli.io import RolloutWriter
 from grpo_cli.io.align import prepend_slot, unroll_next_token
 from grpo_cli.io.presets import PRESETS, open_dataset, resolve_column_map
@@ -28,7 +29,7 @@ def read_all(dataset) -> dict[str, list]:
 
 
 def test_cli_preset_names_match_presets():
-    assert [p.value for p in PresetName] == list(PRESETS)
+    assert list(PRESET_NAMES) == list(PRESETS)
 
 
 # Hand-written from dumps.md §9: which framework tensor becomes which schema column ("old" → prox where the

@@ -14,14 +14,13 @@ import typer
 
 from grpo_cli._launch import is_secondary_rank
 from grpo_cli.cli._app import STATE, app
-from grpo_cli.cli._options import PresetName
 from grpo_cli.errors import EXIT_ERROR, GrpoCliError
 
 # isort: off
 from grpo_cli.cli import _analyze, _gate, _data  # noqa: F401  # register the commands, in the order --help lists
 # isort: on
 
-__all__ = ["PresetName", "app", "main", "run"]
+__all__ = ["app", "main", "run"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,27 +6,23 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from grpo_cli._choices import PROX_APPROX_METHODS
 from grpo_cli.cli._app import app
 from grpo_cli.cli._options import (
     DEFAULT_BATCH_TOKENS,
     BatchTokensOpt,
     CClipOpt,
-    Device,
     DeviceOpt,
     EpsilonHighOpt,
     EpsilonOpt,
     FormatOpt,
     ImportanceLevelOpt,
-    InvalidPolicy,
     MapOpt,
-    NamesChoice,
     NamesOpt,
     OnInvalidOpt,
-    OutputFormat,
     OutputOpt,
     PathsArg,
     PresetOpt,
-    ProxMethod,
     QuietOpt,
     RsActionOpt,
     RsAggOpt,
@@ -38,6 +34,7 @@ from grpo_cli.cli._options import (
     WorkersOpt,
     check_device,
     config_from,
+    one_of,
     open_input,
     progress_bar,
     resolve_workers,
@@ -62,8 +59,8 @@ def analyze(
     temperature: TemperatureOpt = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Report the k highest-KL tokens (0: off).")] = 10,
     batch_tokens: BatchTokensOpt = DEFAULT_BATCH_TOKENS,
-    device: DeviceOpt = Device("cpu"),
-    output_format: FormatOpt = OutputFormat("table"),
+    device: DeviceOpt = "cpu",
+    output_format: FormatOpt = "table",
     output: OutputOpt = None,
     column_map: MapOpt = None,
     preset: PresetOpt = None,
@@ -91,7 +88,7 @@ def analyze(
     rs_agg: RsAggOpt = None,
     rs_upper: RsUpperOpt = None,
     rs_lower: RsLowerOpt = None,
-    on_invalid: OnInvalidOpt = InvalidPolicy("error"),
+    on_invalid: OnInvalidOpt = "error",
     kl_clamp: Annotated[
         float | None,
         typer.Option("--kl-clamp", help="Clamp the per-token kl_ref/* estimates (the KL loss) to [-C, C] (default: "
@@ -118,7 +115,7 @@ def analyze(
         typer.Option("--max-new-tokens", help="Without an eos column: a response this long had no EOS "
                      "(seq/no_eos_frac)."),
     ] = None,
-    names: NamesOpt = NamesChoice("grpo-cli"),
+    names: NamesOpt = "grpo-cli",
     workers: WorkersOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
@@ -141,7 +138,7 @@ def analyze(
     warn_skipped(result.metrics)
     from grpo_cli.metrics.names import rename_result
 
-    result, labels = rename_result(result, names.value)
+    result, labels = rename_result(result, names)
     selected = _select_metrics(metric_names, result, defaults=[
         next((theirs for theirs, ours in labels.items() if ours == key), key) for key in DEFAULT_GROUP_METRICS
     ])
@@ -155,7 +152,7 @@ def analyze(
     write_result(
         output_format,
         output,
-        document=lambda: analyze_document(result, preset=preset.value if preset is not None else None),
+        document=lambda: analyze_document(result, preset=preset),
         csv=lambda: to_csv(result.metrics, groups=result.groups if group_by is not None else None),
         table=draw,
     )
@@ -185,8 +182,9 @@ def _select_metrics(names: str | None, result: AnalysisResult, defaults: list[st
 def compare_prox(
     paths: PathsArg,
     method: Annotated[
-        list[ProxMethod] | None,
-        typer.Option("--method", help="Approximation(s) to compare (repeatable; default all)."),
+        list[str] | None,
+        typer.Option("--method", **one_of(*PROX_APPROX_METHODS, "all"),
+            help="Approximation(s) to compare (repeatable; default all)."),
     ] = None,
     epsilon: EpsilonOpt = 0.2,
     epsilon_high: EpsilonHighOpt = None,
@@ -209,13 +207,13 @@ def compare_prox(
         int, typer.Option("--max-lag", help="Lags 0..N-1 get a by-staleness row each; larger lags share one.")
     ] = 64,
     batch_tokens: BatchTokensOpt = DEFAULT_BATCH_TOKENS,
-    device: DeviceOpt = Device("cpu"),
-    output_format: FormatOpt = OutputFormat("table"),
+    device: DeviceOpt = "cpu",
+    output_format: FormatOpt = "table",
     output: OutputOpt = None,
     column_map: MapOpt = None,
     preset: PresetOpt = None,
-    on_invalid: OnInvalidOpt = InvalidPolicy("error"),
-    names: NamesOpt = NamesChoice("grpo-cli"),
+    on_invalid: OnInvalidOpt = "error",
+    names: NamesOpt = "grpo-cli",
     workers: WorkersOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
@@ -230,7 +228,7 @@ def compare_prox(
     from grpo_cli.render.documents import compare_prox_document, to_csv
     from grpo_cli.render.prox import render_compare_prox_table
 
-    chosen = [m.value for m in method or [ProxMethod("all")]]
+    chosen = method or ["all"]
     methods = PROX_APPROX_METHODS if "all" in chosen else tuple(dict.fromkeys(chosen))
     config = config_from(CompareProxConfig, locals(), methods=methods, device=check_device(device))
     config.validate()
@@ -244,7 +242,7 @@ def compare_prox(
     warn_skipped(result.metrics)
     from grpo_cli.metrics.names import rename_result
 
-    result, labels = rename_result(result, names.value)
+    result, labels = rename_result(result, names)
 
     def draw(console: Console) -> None:
         if labels:  # renamed keys: the plain sectioned table (the side-by-side layout needs grpo-cli's keys)
@@ -260,7 +258,7 @@ def compare_prox(
     write_result(
         output_format,
         output,
-        document=lambda: compare_prox_document(result, preset=preset.value if preset is not None else None),
+        document=lambda: compare_prox_document(result, preset=preset),
         csv=lambda: to_csv(result.metrics),
         table=draw,
     )

@@ -7,25 +7,22 @@ from typing import Annotated
 
 import typer
 
+from grpo_cli._choices import ADVANTAGE_ESTIMATORS, CONVERT_FORMATS
 from grpo_cli.cli._app import app
 from grpo_cli.cli._options import (
     DEFAULT_BATCH_TOKENS,
     BatchTokensOpt,
-    ConvertFormat,
-    Device,
     DeviceOpt,
-    Estimator,
     FormatOpt,
-    InvalidPolicy,
     MapOpt,
     OnInvalidOpt,
-    OutputFormat,
     OutputOpt,
     PathsArg,
     PresetOpt,
     QuietOpt,
     check_device,
     emit,
+    one_of,
     write_result,
 )
 from grpo_cli.errors import UsageError
@@ -36,17 +33,17 @@ __all__ = ["advantages", "convert", "sample", "schema"]
 @app.command()
 def schema(
     preset: PresetOpt = None,
-    output_format: FormatOpt = OutputFormat("table"),
+    output_format: FormatOpt = "table",
     output: OutputOpt = None,
 ) -> None:
     """Print rollout schema v1 (columns, kinds, meanings) and, with --preset, a framework's column map."""
     from grpo_cli.io.presets import describe, format_description
     from grpo_cli.render.documents import dumps_json
 
-    doc = describe(preset.value if preset is not None else None)
-    if output_format is OutputFormat.csv:
+    doc = describe(preset)
+    if output_format == "csv":
         raise UsageError("schema: --format csv is not available (use table or json)")
-    emit(dumps_json(doc) if output_format is OutputFormat.json else format_description(doc), output)
+    emit(dumps_json(doc) if output_format == "json" else format_description(doc), output)
 
 
 @app.command()
@@ -54,8 +51,9 @@ def convert(
     sources: Annotated[list[str], typer.Argument(help="Source files or directories.")],
     out_dir: Annotated[Path, typer.Option("--output", "-o", help="Output directory (new or empty).")],
     source_format: Annotated[
-        ConvertFormat | None,
-        typer.Option("--from", help="Source format; omit with --optimize to re-encode a schema-v1 dump."),
+        str | None,
+        typer.Option("--from", **one_of(*CONVERT_FORMATS),
+            help="Source format; omit with --optimize to re-encode a schema-v1 dump."),
     ] = None,
     optimize: Annotated[
         bool, typer.Option("--optimize", help="Re-encode a schema-v1 dump with the fast reader settings.")
@@ -67,7 +65,7 @@ def convert(
     ] = None,
     column_map: MapOpt = None,
     preset: PresetOpt = None,
-    on_invalid: OnInvalidOpt = InvalidPolicy("error"),
+    on_invalid: OnInvalidOpt = "error",
     quiet: QuietOpt = False,
 ) -> None:
     """Convert slime debug dumps, torch.save'd tensor dicts or JSON lines into schema-v1 Parquet part files."""
@@ -77,12 +75,12 @@ def convert(
     result = run_convert(
         sources,
         out_dir,
-        source_format=source_format.value if source_format is not None else None,
+        source_format=source_format,
         optimize=optimize,
         join=join or (),
         column_map=parse_column_map(column_map),
-        preset=preset.value if preset is not None else None,
-        on_invalid=on_invalid.value,
+        preset=preset,
+        on_invalid=on_invalid,
     )
     for note in result.notes:
         typer.echo(f"grpo-cli: note: {note}", err=True)
@@ -99,8 +97,9 @@ NormSpecHelp = "MEAN[/STD][,leave1out][,biased][,eps=E][,group_size=N]; levels b
 def advantages(
     paths: PathsArg,
     estimator: Annotated[
-        Estimator,
-        typer.Option("--estimator", help="gae (AReaL: KL reward, token GAE, adv_norm), grpo, drgrpo, rloo "
+        str,
+        typer.Option("--estimator", **one_of(*ADVANTAGE_ESTIMATORS),
+            help="gae (AReaL: KL reward, token GAE, adv_norm), grpo, drgrpo, rloo "
                      "(per group) or reinforce_pp (return-to-go, whitened per batch)."),
     ],
     atol: Annotated[float, typer.Option("--atol", help="A token mismatches when |recomputed - dumped| > "
@@ -160,8 +159,8 @@ def advantages(
                           "AReaL's next-token alignment and back) or next (already next-token aligned).")
     ] = "token",
     batch_tokens: BatchTokensOpt = DEFAULT_BATCH_TOKENS,
-    device: DeviceOpt = Device("cpu"),
-    output_format: FormatOpt = OutputFormat("table"),
+    device: DeviceOpt = "cpu",
+    output_format: FormatOpt = "table",
     output: OutputOpt = None,
     column_map: MapOpt = None,
     quiet: QuietOpt = False,
@@ -175,7 +174,7 @@ def advantages(
     from grpo_cli.render.documents import json_document, to_csv
 
     config = AdvantageCheckConfig(
-        estimator=estimator.value,
+        estimator=estimator,
         atol=atol,
         rtol=rtol,
         valid_only=valid_only,
@@ -217,7 +216,7 @@ def advantages(
     )
     if fail_on_mismatch and result.mismatch:
         n = result.metrics["adv_check/n_sequences_mismatch"]
-        raise CheckFailed(f"advantages: {n} sequence(s) differ from the recomputed {estimator.value} advantages "
+        raise CheckFailed(f"advantages: {n} sequence(s) differ from the recomputed {estimator} advantages "
                           f"beyond atol={atol}, rtol={rtol}")
 
 

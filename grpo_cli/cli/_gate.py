@@ -7,23 +7,21 @@ from typing import Annotated
 
 import typer
 
+from grpo_cli._choices import ON_INVALID
 from grpo_cli.cli._app import app
 from grpo_cli.cli._options import (
     DEFAULT_BATCH_TOKENS,
     BatchTokensOpt,
-    Device,
     DeviceOpt,
     EpsilonHighOpt,
-    InvalidPolicy,
     MapOpt,
-    OutputFormat,
     OutputOpt,
     PathsArg,
     PresetOpt,
     QuietOpt,
-    _choice,
     check_device,
     emit,
+    one_of,
     open_input,
     progress_bar,
     warn_skipped,
@@ -33,8 +31,8 @@ from grpo_cli.errors import UsageError
 
 __all__ = ["check", "report"]
 
-CheckFormat = _choice("CheckFormat", ("table", "json", "github"),
-                      "``check``'s report formats (JUnit XML is a separate file: ``--junit-xml``).")
+CHECK_FORMATS = ("table", "json", "github")
+"""``check``'s report formats (JUnit XML is a separate file: ``--junit-xml``)."""
 
 
 @app.command()
@@ -55,7 +53,9 @@ def check(
         Path | None, typer.Option("--save-baseline", help="Also write this run's figures as a baseline JSON.")
     ] = None,
     warn_only: Annotated[bool, typer.Option("--warn-only", help="Report violations but exit 0.")] = False,
-    output_format: Annotated[CheckFormat, typer.Option("--format", "-f", help="Report format.")] = CheckFormat("table"),
+    output_format: Annotated[
+        str, typer.Option("--format", "-f", **one_of(*CHECK_FORMATS), help="Report format.")
+    ] = "table",
     output: OutputOpt = None,
     junit_xml_path: Annotated[
         Path | None, typer.Option("--junit-xml", help="Also write JUnit XML: one testcase per rule.")
@@ -69,12 +69,13 @@ def check(
         float | None, typer.Option("--temperature", help="Sampling temperature (default: the rules', else 1).")
     ] = None,
     on_invalid: Annotated[
-        InvalidPolicy | None,
-        typer.Option("--on-invalid", help="Invalid values (NaN/positive log-probs, ...): error (exit 2 at the "
+        str | None,
+        typer.Option("--on-invalid", **one_of(*ON_INVALID),
+            help="Invalid values (NaN/positive log-probs, ...): error (exit 2 at the "
                      "first) or skip (drop and accept them). Default: drop them and fail 'input passes validation'."),
     ] = None,
     batch_tokens: BatchTokensOpt = DEFAULT_BATCH_TOKENS,
-    device: DeviceOpt = Device("cpu"),
+    device: DeviceOpt = "cpu",
     column_map: MapOpt = None,
     preset: PresetOpt = None,
     quiet: QuietOpt = False,
@@ -108,7 +109,7 @@ def check(
         temperature=temperature,
         batch_tokens=batch_tokens,
         device=check_device(device),
-        on_invalid=on_invalid.value if on_invalid is not None else None,
+        on_invalid=on_invalid,
     )
     for note in config.ppo_notes():
         typer.echo(f"grpo-cli: warning: {note}", err=True)
@@ -134,17 +135,17 @@ def check(
         write(junit_xml_path, junit_xml(report, elapsed=elapsed), "--junit-xml")
     if save_baseline is not None:
         write(save_baseline, dumps_json(check_document(report)), "--save-baseline")
-    if output_format.value == "github":
+    if output_format == "github":
         emit(github_commands(report), output)
         summary = os.environ.get("GITHUB_STEP_SUMMARY")
         if summary:
             write(Path(summary), markdown_summary(report), "$GITHUB_STEP_SUMMARY", mode="a")
     else:
         write_result(
-            OutputFormat(output_format.value),
+            output_format,
             output,
             document=lambda: check_document(report),
-            csv=lambda: "",  # not offered by CheckFormat
+            csv=lambda: "",  # not among CHECK_FORMATS
             table=lambda console: render_check_table(console, report),
         )
     if report.exit_code:
@@ -179,12 +180,13 @@ def report(
         typer.Option("--current-version", help="Trainer version v_θ when the dump has no current_version column."),
     ] = None,
     on_invalid: Annotated[
-        InvalidPolicy | None,
-        typer.Option("--on-invalid", help="Invalid values: error (exit 2 at the first) or skip (drop and accept "
+        str | None,
+        typer.Option("--on-invalid", **one_of(*ON_INVALID),
+            help="Invalid values: error (exit 2 at the first) or skip (drop and accept "
                      "them). Default, as check: drop them and fail 'input passes validation'."),
     ] = None,
     batch_tokens: BatchTokensOpt = DEFAULT_BATCH_TOKENS,
-    device: DeviceOpt = Device("cpu"),
+    device: DeviceOpt = "cpu",
     column_map: MapOpt = None,
     preset: PresetOpt = None,
     quiet: QuietOpt = False,
@@ -214,14 +216,14 @@ def report(
         current_version=current_version,
         batch_tokens=batch_tokens,
         device=check_device(device),
-        on_invalid=on_invalid.value if on_invalid is not None else None,
+        on_invalid=on_invalid,
     )
     for note in analyze_config.ppo_notes():
         typer.echo(f"grpo-cli: warning: {note}", err=True)
     dataset = open_input(paths, column_map, preset)
     with progress_bar(dataset.n_tokens, quiet) as progress:
         result = build_report(dataset, rule_sets, analyze_config, prox_config, require_valid=require_valid,
-                              progress=progress, preset=preset.value if preset is not None else None)
+                              progress=progress, preset=preset)
     warn_skipped(result.analysis.metrics)
     page = render_html(result)
     emit(page, output)

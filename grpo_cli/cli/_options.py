@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -14,14 +13,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from grpo_cli._choices import (
-    ADVANTAGE_ESTIMATORS,
-    CONVERT_FORMATS,
     DEFAULT_BATCH_TOKENS,
     DEVICES,
     FRAMEWORKS,
     ON_INVALID,
     PRESET_NAMES,
-    PROX_APPROX_METHODS,
 )
 from grpo_cli._launch import distributed_env, is_secondary_rank
 from grpo_cli.errors import UsageError
@@ -33,17 +29,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_BATCH_TOKENS",
-    "Device",
-    "Estimator",
-    "InvalidPolicy",
-    "NamesChoice",
-    "OutputFormat",
-    "PresetName",
-    "ProxMethod",
-    "ConvertFormat",
+    "OUTPUT_FORMATS",
     "check_device",
     "config_from",
     "emit",
+    "one_of",
     "open_input",
     "progress_bar",
     "resolve_workers",
@@ -52,21 +42,19 @@ __all__ = [
 ]
 
 
-def _choice(name: str, values: Sequence[str], doc: str) -> Any:
-    """A string enum whose members are ``values`` (a typer choice type), built from the library's own tuple."""
-    members = enum.Enum(name, {value: value for value in values}, type=str)  # type: ignore[misc]
-    members.__doc__ = doc
-    return members
+def one_of(*values: str) -> dict[str, Any]:
+    """A choice option's ``parser`` and ``metavar`` (``typer.Option(..., **one_of(*VALUES))``), from the library's own
+    tuple (``grpo_cli._choices``): values stay plain strings, and a wrong one is refused naming the choices."""
+
+    def parse(value: str) -> str:
+        if value not in values:
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(values)}")
+        return value
+
+    return {"parser": parse, "metavar": "|".join(values)}
 
 
-OutputFormat = _choice("OutputFormat", ("table", "json", "csv"), "``--format``.")
-InvalidPolicy = _choice("InvalidPolicy", ON_INVALID, "``--on-invalid``.")
-Device = _choice("Device", DEVICES, "``--device``.")
-NamesChoice = _choice("NamesChoice", ("grpo-cli", *FRAMEWORKS), "``--names``: grpo-cli's own keys or a framework's.")
-PresetName = _choice("PresetName", PRESET_NAMES, "``--preset``: a framework's column map.")
-ProxMethod = _choice("ProxMethod", (*PROX_APPROX_METHODS, "all"), "``compare-prox --method``.")
-Estimator = _choice("Estimator", ADVANTAGE_ESTIMATORS, "``advantages --estimator``.")
-ConvertFormat = _choice("ConvertFormat", CONVERT_FORMATS, "``convert --from``.")
+OUTPUT_FORMATS = ("table", "json", "csv")
 
 PathsArg = Annotated[
     list[str], typer.Argument(metavar="PATHS", help="Parquet files, directories (recursive) or quoted globs.")
@@ -85,8 +73,10 @@ BatchTokensOpt = Annotated[
     typer.Option("--batch-tokens", help="Token budget per streamed batch: bounds memory (docs/performance.md; "
                  "use millions with --device cuda)."),
 ]
-DeviceOpt = Annotated[Device, typer.Option("--device", help="Where the core runs.")]  # type: ignore[valid-type]
-FormatOpt = Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")]
+DeviceOpt = Annotated[str, typer.Option("--device", **one_of(*DEVICES), help="Where the core runs.")]
+FormatOpt = Annotated[
+    str, typer.Option("--format", "-f", **one_of(*OUTPUT_FORMATS), help="Output format.")
+]
 OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Write the report here instead of stdout.")]
 MapOpt = Annotated[
     list[str] | None, typer.Option("--map", help="Rename a column: canonical=actual (repeatable).")
@@ -101,24 +91,27 @@ WorkersOpt = Annotated[
 
 
 NamesOpt = Annotated[
-    NamesChoice,
-    typer.Option("--names", help="Report every figure that has an equivalent under the key that framework logs, "
+    str,
+    typer.Option("--names", **one_of("grpo-cli", *FRAMEWORKS),
+        help="Report every figure that has an equivalent under the key that framework logs, "
                  "in its sign convention (docs/metrics.md, 'Names per framework')."),
 ]
 
 
 PresetOpt = Annotated[
-    PresetName | None,
+    str | None,
     typer.Option(
         "--preset",
+        **one_of(*PRESET_NAMES),
         help="Read a dump written with a framework's own tensor names and conventions (renames, un-rolls "
         "next-token-aligned columns); `grpo-cli schema --preset NAME` shows the map. --map wins over it.",
     ),
 ]
 OnInvalidOpt = Annotated[
-    InvalidPolicy,
+    str,
     typer.Option(
         "--on-invalid",
+        **one_of(*ON_INVALID),
         help="Invalid values (NaN/positive log-probs, masks not 0/1, versions above current_version, ...): "
         "error (exit 2 naming file, column, row) or skip (drop those sequences, count them under invalid/*).",
     ),
@@ -161,11 +154,11 @@ def progress_bar(total: int, quiet: bool) -> Iterator[Callable[[int], None] | No
         yield lambda n: bar.advance(task, n)
 
 
-def resolve_workers(workers: int | None, device: Device) -> int:
+def resolve_workers(workers: int | None, device: str) -> int:
     """``--workers``: the available cores by default; one per torchrun rank (each rank is a process) and with
     ``--device cuda`` (one process drives the GPU while a thread decodes ahead)."""
     if workers is None:
-        if distributed_env() is not None or device.value == "cuda":
+        if distributed_env() is not None or device == "cuda":
             return 1
         from grpo_cli.engine.parallel import available_cores
 
@@ -175,14 +168,14 @@ def resolve_workers(workers: int | None, device: Device) -> int:
     return workers
 
 
-def check_device(device: Device) -> str:
+def check_device(device: str) -> str:
     """``--device``'s value, refused (exit 2) when CUDA is asked for and absent."""
-    if device.value == "cuda":
+    if device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
-    return device.value
+    return device
 
 
 def warn_skipped(metrics: Mapping[str, Any]) -> None:
@@ -204,26 +197,25 @@ def emit(text: str, output: Path | None) -> None:
         raise UsageError(f"--output {output}: cannot write ({exc.strerror or exc})") from None
 
 
-def open_input(paths: Sequence[str], column_map: Sequence[str] | None, preset: Any) -> RolloutDataset:
+def open_input(paths: Sequence[str], column_map: Sequence[str] | None, preset: str | None) -> RolloutDataset:
     """The dataset the command reads: ``paths`` with ``--map`` renames over the ``--preset``'s column map."""
     from grpo_cli.io.presets import open_dataset
     from grpo_cli.io.schema import parse_column_map
 
-    return open_dataset(paths, parse_column_map(column_map), preset.value if preset is not None else None)
+    return open_dataset(paths, parse_column_map(column_map), preset)
 
 
 def config_from(config_type: type, values: Mapping[str, Any], **overrides: Any) -> Any:
-    """``config_type`` (a dataclass) built from the command's parameters ``values`` whose names are its fields (enum
-    choices as their values), then ``overrides``: one place that hands options to the library."""
+    """``config_type`` (a dataclass) built from the command's parameters ``values`` whose names are its fields, then
+    ``overrides``: one place that hands options to the library."""
     fields = {f.name for f in dataclasses.fields(config_type)}
-    chosen = {name: (value.value if isinstance(value, enum.Enum) else value)
-              for name, value in values.items() if name in fields}
+    chosen = {name: value for name, value in values.items() if name in fields}
     chosen.update(overrides)
     return config_type(**chosen)
 
 
 def write_result(
-    output_format: OutputFormat,
+    output_format: str,
     output: Path | None,
     *,
     document: Callable[[], dict[str, Any]],
@@ -237,9 +229,9 @@ def write_result(
     if is_secondary_rank():
         return  # under torchrun only rank 0 writes the report
 
-    if output_format is OutputFormat.json:
+    if output_format == "json":
         emit(dumps_json(document()), output)
-    elif output_format is OutputFormat.csv:
+    elif output_format == "csv":
         emit(csv(), output)
     elif output is None:
         table(make_console())
