@@ -387,7 +387,8 @@ def _simulate(cfg: SimConfig, out_dir: str | Path) -> SimInfo:
             full = torch.log_softmax(tables[cur, prv] / cfg.temperature, dim=-1)
             ent = -(full.exp() * full).sum(-1)
             eng = _engine_logits(tables, engine_version[rows], prv, t_engine[rows])
-            noise_std = cfg.kernel_noise + torch.where(hit_seq[rows], torch.tensor(cfg.mismatch_noise), torch.tensor(0.0))
+            extra_noise = torch.where(hit_seq[rows], torch.tensor(cfg.mismatch_noise), torch.tensor(0.0))
+            noise_std = cfg.kernel_noise + extra_noise
             eng = eng + torch.randn(eng.shape, generator=gen) * noise_std[:, None]
             resp_tok = is_response[rows, cols]
             keep = torch.ones_like(eng, dtype=torch.bool)
@@ -406,12 +407,7 @@ def _simulate(cfg: SimConfig, out_dir: str | Path) -> SimInfo:
                 old = new.clone()
                 prox = new.clone()
 
-            def dense(values: Tensor) -> Tensor:
-                out = torch.zeros(b, width, dtype=torch.float32)
-                out[rows, cols] = values.float()
-                return out
-
-            new_d, old_d, prox_d, ref_d, ent_d = (dense(x) for x in (new, old, prox, ref, ent))
+            new_d, old_d, prox_d, ref_d, ent_d = (_dense(x, rows, cols, (b, width)) for x in (new, old, prox, ref, ent))
             mask = is_response.clone()
             versions = torch.where(is_response, behaviour[:, None], torch.tensor(-1)).to(torch.int32)
 
@@ -438,7 +434,8 @@ def _simulate(cfg: SimConfig, out_dir: str | Path) -> SimInfo:
                 pad = 8
                 pad_len = torch.where(hit_seq, pad, 0)
                 grow = torch.zeros(b, pad)
-                new_d, old_d, prox_d, ref_d, ent_d = (torch.cat([x, grow], 1) for x in (new_d, old_d, prox_d, ref_d, ent_d))
+                padded = [torch.cat([x, grow], 1) for x in (new_d, old_d, prox_d, ref_d, ent_d)]
+                new_d, old_d, prox_d, ref_d, ent_d = padded
                 mask = torch.cat([mask, torch.zeros(b, pad, dtype=torch.bool)], 1)
                 versions = torch.cat([versions, torch.full((b, pad), -1, dtype=torch.int32)], 1)
                 wpos = torch.arange(width + pad)
@@ -460,9 +457,7 @@ def _simulate(cfg: SimConfig, out_dir: str | Path) -> SimInfo:
             if cfg.duplicate:
                 order = torch.cat([order, torch.nonzero(hit_seq).flatten()])
 
-            def take(x: Tensor) -> Tensor:
-                return x.index_select(0, order)
-
+            take = _Take(order)
             token_cols: dict[str, Tensor] = {"old_logp": take(old_d)}
             optional = {"prox_logp": prox_d, "ref_logp": ref_d, "entropy": ent_d, "versions": versions}
             for name in cfg.columns:
@@ -487,6 +482,22 @@ def _simulate(cfg: SimConfig, out_dir: str | Path) -> SimInfo:
             n_seq_total += order.numel()
             n_tok_total += int(take(lengths).sum())
     return SimInfo(files=files, n_sequences=n_seq_total, n_tokens=n_tok_total, hit=frozenset(hit_rows))
+
+
+def _dense(values: Tensor, rows: Tensor, cols: Tensor, shape: tuple[int, int]) -> Tensor:
+    out = torch.zeros(shape, dtype=torch.float32)
+    out[rows, cols] = values.float()
+    return out
+
+
+class _Take:
+    """Rows of a per-sequence tensor in write order (duplicates repeated)."""
+
+    def __init__(self, order: Tensor) -> None:
+        self.order = order
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return x.index_select(0, self.order)
 
 
 def _student_t(n: int, nu: float, gen: torch.Generator) -> Tensor:
