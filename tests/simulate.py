@@ -387,16 +387,17 @@ def _simulate(cfg: SimConfig, out_dir: str | Path) -> SimInfo:
             full = torch.log_softmax(tables[cur, prv] / cfg.temperature, dim=-1)
             ent = -(full.exp() * full).sum(-1)
             eng = _engine_logits(tables, engine_version[rows], prv, t_engine[rows])
+            keep = torch.ones_like(eng, dtype=torch.bool)
+            tp = top_p[rows]
+            resp_tok = is_response[rows, cols]
+            for p in tp.unique().tolist():
+                if p < 1.0:  # the set the engine sampled from (before kernel noise), which holds the sampled token
+                    sel = (tp == p) & resp_tok
+                    keep[sel] = _top_p_keep(eng[sel], p)
+            keep[torch.arange(tok.numel()), tok] = True
             extra_noise = torch.where(hit_seq[rows], torch.tensor(cfg.mismatch_noise), torch.tensor(0.0))
             noise_std = cfg.kernel_noise + extra_noise
             eng = eng + torch.randn(eng.shape, generator=gen) * noise_std[:, None]
-            resp_tok = is_response[rows, cols]
-            keep = torch.ones_like(eng, dtype=torch.bool)
-            tp = top_p[rows]
-            for p in tp.unique().tolist():
-                if p < 1.0:
-                    sel = (tp == p) & resp_tok
-                    keep[sel] = _top_p_keep(eng[sel], p)
             eng = torch.where(keep, eng, torch.tensor(-torch.inf))
             old = torch.log_softmax(eng, dim=-1).gather(1, tok[:, None]).squeeze(1)
             if cfg.heavy_tail_frac:
