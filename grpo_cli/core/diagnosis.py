@@ -37,12 +37,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grpo_cli.core.diag_findings import DetectConfig, Finding, detect
 from grpo_cli.core.keyed_state import KeyedState
 from grpo_cli.core.packing import lengths_from_cu_seqlens, segment_ids
 from grpo_cli.core.state import MetricState, Reduce, count, maximum, top_rows, total
 
 __all__ = [
     "LOGP_COLUMNS",
+    "DetectConfig",
+    "Finding",
+    "detect",
     "MAX_DIAG_LAG",
     "MIN_SEQ_PAIRS",
     "SHIFT_PREFERENCE",
@@ -244,8 +248,15 @@ def shift_compute(state: MetricState) -> dict[str, Any]:
 def relation_state(device: torch.device | str | None = None, top_k: int = 8) -> MetricState:
     """An empty state for :func:`relation_update`."""
     specs = {name: total() for name in ("sx", "sy", "sxx", "sxy", "syy", "sd", "seq_sd", "seq_sdd")}
-    specs.update(n=count(), n_gt=count(), n_lt=count(), n_seq=count(), top=top_rows(top_k, len(TOP_FIELDS)))
+    specs.update(n=count(), n_gt=count(), n_lt=count(), n_seq=count(), n_seq_long=count(), n_seq_onesided=count())
+    specs["top"] = top_rows(top_k, len(TOP_FIELDS))
     return MetricState(specs, device)
+
+
+ONESIDED_MIN_TOKENS = 8
+"""A sequence is tested for one-sidedness only with at least this many valid tokens."""
+ONESIDED_FRAC = 0.95
+"""…and is one-sided when at least this fraction of them have old > new (a healthy sequence: about half)."""
 
 
 def relation_update(
@@ -284,6 +295,10 @@ def relation_update(
     has = lengths > 0
     seq_mean = sums / lengths.clamp_min(1)
     state.update(n_seq=has.sum(), seq_sd=seq_mean[has].sum(), seq_sdd=(seq_mean[has] ** 2).sum())
+    gt = torch.zeros(n_seq, dtype=torch.int64, device=x.device).index_add_(0, seq, (y > x).to(torch.int64))
+    long = lengths >= ONESIDED_MIN_TOKENS
+    onesided = long & (gt >= ONESIDED_FRAC * lengths)
+    state.update(n_seq_long=long.sum(), n_seq_onesided=onesided.sum())
     file, row = _locations(file_index, rows, n_seq, x.device)
     state.update(top=_top_table(seq_mean, has, file, row, step, lengths))
 
@@ -292,8 +307,9 @@ def relation_compute(state: MetricState) -> dict[str, Any]:
     """``diag/old_vs_new_slope`` b and ``diag/old_vs_new_intercept`` a of old ≈ a + b·new (absent when new is
     constant), ``diag/old_gt_new_frac``, ``diag/old_lt_new_frac``, ``diag/old_minus_new_mean`` (token mean of
     d = old − new), ``diag/seq_old_minus_new_mean`` and ``diag/seq_old_minus_new_ci`` (mean over sequences of the
-    per-sequence mean d and the half-width of its 95 % normal interval, 1.96·sd/√n_seq), ``diag/relation_n_seq``
-    and ``diag/old_minus_new_top`` (the sequences with the largest mean d)."""
+    per-sequence mean d and the half-width of its 95 % normal interval, 1.96·sd/√n_seq), ``diag/relation_n_seq``,
+    ``diag/onesided_seq_frac`` (sequences of ≥ ONESIDED_MIN_TOKENS valid tokens with old > new on ≥ ONESIDED_FRAC
+    of them) and ``diag/old_minus_new_top`` (the sequences with the largest mean d)."""
     n = int(state["n"])
     if n == 0:
         return {}
@@ -316,6 +332,8 @@ def relation_compute(state: MetricState) -> dict[str, Any]:
         var = max(float(state["seq_sdd"]) / n_seq - m * m, 0.0)
         out["diag/seq_old_minus_new_mean"] = m
         out["diag/seq_old_minus_new_ci"] = 1.96 * math.sqrt(var / n_seq) if n_seq > 1 else math.inf
+    if int(state["n_seq_long"]):
+        out["diag/onesided_seq_frac"] = int(state["n_seq_onesided"]) / int(state["n_seq_long"])
     out["diag/old_minus_new_top"] = _table_rows(state["top"])
     return out
 
@@ -613,6 +631,9 @@ def duplicates_compute(state: KeyedState) -> dict[str, Any]:
 
 # -- groups: advantages against rewards --------------------------------------------------------------------------------
 _GROUP_OPS = (Reduce.SUM,) * 6 + (Reduce.MIN, Reduce.MIN)
+SCALE_TOLERANCE = 0.1
+"""Tolerance on a group's log advantage scale (±10 %). The models account for the group size (the unbiased std's
+factor √(n/(n − 1))), so only the std's ε (1e-6 to 1e-4 in the peers) and float rounding move a consistent group."""
 
 
 def groups_state(device: torch.device | str | None = None) -> KeyedState:
@@ -674,6 +695,9 @@ def groups_compute(state: KeyedState, *, limit: int = 8) -> dict[str, Any]:
     - ``diag/adv_scale_exponent``: the least-squares slope of log(cov(r, A)/var(r)) against log sd(r) over spread
       groups with positive cov: −1 when A is divided by the group std, 0 when it is not or by a batch-wide std, −2
       when divided by the variance; absent with fewer than 4 such groups or a range of log sd below 0.05;
+    - ``diag/adv_scale_outlier_frac``: the fraction of those groups whose log scale log(cov/var) is more than
+        :data:`SCALE_TOLERANCE` off the best of the legitimate models (A = c·(r − mean)/sd with the population or the
+      unbiased sd, or A = c·(r − mean), c one constant fitted by the median): one worker normalising differently;
     - ``diag/adv_group_std_mean``: the mean population sd of A in spread groups;
     - ``diag/adv_where``: up to ``limit`` groups, sign-flipped first, then uncentred.
     """
@@ -707,6 +731,13 @@ def groups_compute(state: KeyedState, *, limit: int = 8) -> dict[str, Any]:
         vx = float(((lx - lx.mean()) ** 2).mean())
         if float(lx.max() - lx.min()) >= 0.05 and vx > 0:
             out["diag/adv_scale_exponent"] = float(((lx - lx.mean()) * (ly - ly.mean())).mean()) / vx
+        # the legitimate scalings: A ∝ (r − mean)/sd (log scale + log sd constant) or A ∝ r − mean (log scale
+        # constant); groups off the better-fitting one by more than SCALE_TOLERANCE are inconsistent
+        nf = n[fit]
+        lx_unbiased = lx + 0.5 * torch.log(nf / (nf - 1))
+        candidates = [(ly + z - (ly + z).median()).abs() for z in (lx, lx_unbiased)] + [(ly - ly.median()).abs()]
+        resid = min(candidates, key=lambda r: float(r.median()))
+        out["diag/adv_scale_outlier_frac"] = int((resid > SCALE_TOLERANCE).sum()) / int(fit.sum())
     where = []
     for mask, why in ((flipped, "sign"), (uncentred & ~flipped, "uncentred")):
         for r in t[mask][:limit].tolist():
@@ -719,7 +750,7 @@ def groups_compute(state: KeyedState, *, limit: int = 8) -> dict[str, Any]:
 # -- per step --------------------------------------------------------------------------------------------------------
 _STEP_COLUMNS = (
     "n_tok", "n_old", "sum_abs", "n_lag0", "sum_abs_lag0", "sum_exp_lag0", "n_ent", "sum_ent", "sum_neg_new",
-    "n_seq", "n_eos_known", "n_no_eos", "n_lag", "sum_lag",
+    "n_seq", "n_eos_known", "n_no_eos", "n_lag", "sum_lag", "n_clip_known", "n_clip",
 )
 _STEP_OPS = (Reduce.SUM,) * len(_STEP_COLUMNS) + (Reduce.MAX,)
 
@@ -739,6 +770,10 @@ def by_step_update(
     entropy: Tensor | None = None,
     lag: Tensor | None = None,
     eos: Tensor | None = None,
+    advantages: Tensor | None = None,
+    base_logp: Tensor | None = None,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
 ) -> None:
     """Fold one batch of **valid tokens** into ``state``.
 
@@ -749,6 +784,10 @@ def by_step_update(
         cu_seqlens: ``[B + 1]`` offsets of the valid tokens.
         lag: ``[N]`` lag ``current_version − versions`` per valid token (negative: not generated), or ``None``.
         eos: ``[B]`` EOS flags, or ``None``.
+        advantages, base_logp: ``[N]`` per-token advantages and the PPO ratio's base (``prox_logp`` if the dump has
+            it, else ``old_logp``) for the clip fraction, or ``None``.
+        epsilon, epsilon_high: the clip range (``clip/ratio``'s rule: r > 1 + ε_high with A > 0 or r < 1 − ε with
+            A < 0, ε_high defaulting to ε).
     """
     n_seq = cu_seqlens.numel() - 1
     if n_seq == 0:
@@ -793,6 +832,13 @@ def by_step_update(
         cols["sum_lag"] = tok_sum(torch.where(gen, lag, 0))
         if bool(gen.any()):
             max_lag = max_lag.scatter_reduce(0, inv_tok[gen], lag[gen].to(torch.float64), reduce="amax")
+    if advantages is not None and base_logp is not None:
+        ratio = torch.exp(new - _float(base_logp))
+        adv = _float(advantages)
+        high = 1.0 + (epsilon if epsilon_high is None else epsilon_high)
+        clipped = ((ratio > high) & (adv > 0)) | ((ratio < 1.0 - epsilon) & (adv < 0))
+        cols["n_clip_known"] = cols["n_tok"]
+        cols["n_clip"] = tok_sum(clipped)
     rows = torch.stack([keys.to(torch.float64), *[cols[c] for c in _STEP_COLUMNS], max_lag], dim=1)
     state.update(s=rows)
 
@@ -800,7 +846,7 @@ def by_step_update(
 def by_step_compute(state: KeyedState) -> dict[str, Any]:
     """``diag/by_step``: one row per step, in step order, ``{step, n_tokens, abs_diff_mean, lag0_n_tokens,
     lag0_abs_diff_mean, lag0_mult_prob_error, entropy_mean, neg_logp_mean, n_sequences, no_eos_frac, lag_mean,
-    lag_max}``; a figure whose inputs are absent is ``None``."""
+    lag_max, clip_frac}``; a figure whose inputs are absent is ``None``."""
     rows = []
     for r in state["s"].tolist():
         c = dict(zip(("step", *_STEP_COLUMNS, "lag_max"), r))
@@ -821,6 +867,7 @@ def by_step_compute(state: KeyedState) -> dict[str, Any]:
             "no_eos_frac": ratio("n_no_eos", "n_eos_known"),
             "lag_mean": ratio("sum_lag", "n_lag"),
             "lag_max": None if c["lag_max"] == -math.inf else int(c["lag_max"]),
+            "clip_frac": ratio("n_clip", "n_clip_known"),
         })
     return {"diag/by_step": rows}
 
@@ -996,8 +1043,9 @@ def diagnosis_update(states: dict[str, MetricState], batch: Any) -> None:
         groups_update(states["groups"], rewards=v.rewards, advantages=v.advantages, cu_seqlens=vcu,
                       group_id=v.group_id, step=step)
     if step is not None:
+        base = v.prox_logp if v.prox_logp is not None else v.old_logp
         by_step_update(states["by_step"], step=step, new_logp=v.new_logp, cu_seqlens=vcu, old_logp=v.old_logp,
-                       entropy=v.entropy, lag=lag, eos=v.eos)
+                       entropy=v.entropy, lag=lag, eos=v.eos, advantages=v.advantages, base_logp=base)
 
 
 def diagnosis_compute(states: dict[str, MetricState]) -> dict[str, Any]:
