@@ -84,8 +84,8 @@ class SimConfig:
         top_p: the engine samples from the top-p set and reports log-probs renormalised over it.
         mask_fault: ``"prompt"`` (prompt tokens in the loss, old_logp 0 there), ``"padding"`` (8 padding tokens
             with every log-prob 0 in the loss), ``"missing"`` (a quarter of the response tokens out of the loss).
-        weight_sync_rate: the engine's weights lag by ``floor(rate · (step + 1))`` versions more than ``versions``
-            records.
+        weight_sync_rate: the engine's weights lag by ``floor(rate · step)`` versions more than ``versions``
+            records (the weight sync stops working after step 0).
         mismatch_noise: std of extra Gaussian noise on the engine's logits.
         advantage_fault: ``"sign"`` (A → −A), ``"grouping"`` (group statistics over a window shifted by half a
             group), ``"normalisation"`` (divided by the group variance instead of the std).
@@ -96,8 +96,9 @@ class SimConfig:
             hit versions).
         truncation: the hit groups almost never emit EOS.
         update_scale: the hit versions take a random-walk step this many times larger (too-large updates).
-        heavy_tail_frac: fraction of the hit sequences' tokens whose engine log-prob gets Student-t (ν = 1.5)
-            noise of scale 1.
+        heavy_tail_frac: fraction of the hit sequences' response tokens whose engine log-prob is lowered by the
+            magnitude of a heavy-tailed (Student-t-like, ν = 1.5) draw of scale 1: w = exp(new − old) gets a heavy
+            upper tail, as low-probability tokens do under kernel mismatch.
     """
 
     seed: int = 0
@@ -301,8 +302,8 @@ def _simulate(cfg: SimConfig, out_dir: str | Path) -> SimInfo:
     n_versions = cfg.steps + offset + 1
     hit_versions = torch.zeros(n_versions, dtype=torch.bool)
     n_hit_versions = round(cfg.fault_frac * cfg.steps)
-    if n_hit_versions:
-        hit_versions[n_versions - n_hit_versions:] = True
+    if n_hit_versions:  # the trainer versions of the last steps (step s trains version s + offset)
+        hit_versions[offset + cfg.steps - n_hit_versions: offset + cfg.steps] = True
     tables = _version_tables(cfg, n_versions, hit_versions, gen)
     g = cfg.group_size
     files: list[Path] = []
@@ -323,7 +324,7 @@ def _simulate(cfg: SimConfig, out_dir: str | Path) -> SimInfo:
             behaviour = (current - lag).clamp_min(0)
             engine_version = behaviour.clone()
             if cfg.weight_sync_rate:
-                extra = math.floor(cfg.weight_sync_rate * (step + 1))
+                extra = math.floor(cfg.weight_sync_rate * step)
                 engine_version = torch.where(hit_seq, (behaviour - extra).clamp_min(0), behaviour)
             t_engine = torch.full((b,), cfg.temperature)
             if cfg.behaviour_temperature is not None:
@@ -403,7 +404,7 @@ def _simulate(cfg: SimConfig, out_dir: str | Path) -> SimInfo:
             if cfg.heavy_tail_frac:
                 tail = hit_seq[rows] & resp_tok & (torch.rand(rows.shape, generator=gen) < cfg.heavy_tail_frac)
                 t_noise = _student_t(rows.numel(), 1.5, gen)
-                old = torch.where(tail, (old + t_noise).clamp_max(0.0), old)
+                old = torch.where(tail, old - t_noise.abs(), old)
             if cfg.on_policy_exact:
                 old = new.clone()
                 prox = new.clone()

@@ -69,6 +69,9 @@ SHIFT_SEQ_WARNING, SHIFT_SEQ_ERROR = 0.02, 0.10
 SLOPE_WARNING, SLOPE_ERROR = 0.05, 0.15
 """GRP102: |b − 1| of the least-squares line old ≈ a + b·new. Healthy simulated dumps: |b − 1| ≤ 0.003 (lags 0–3
 included); a 0.6/1.0 temperature pair gives b ≈ 1.33; b ≈ T_train/T_behaviour to first order."""
+SLOPE_MIN_LAG0 = 500
+"""GRP102 reads the slope over lag-0 tokens when there are at least this many: at lag > 0 the policy's own drift
+(e.g. entropy falling between versions) tilts the line as a temperature would."""
 ONESIDED_WARNING, ONESIDED_ERROR = 0.10, 0.50
 """GRP103: fraction of sequences (≥ 8 valid tokens) with old > new on ≥ 95 % of their tokens (healthy: < 1 %;
 a renormalised top-p = 0.8: ≈ 97 %)."""
@@ -93,12 +96,17 @@ DUP_CONTENT_WARNING = 0.05
 """GRP107 without ``seq_id``: identical sequences (hash of every token's new and old log-prob) above this
 fraction; identical samples of one prompt are legitimate for short low-entropy answers (on-policy sim: 2 %)."""
 SYNC_RATIO_WARNING, SYNC_RATIO_ERROR = 2.0, 4.0
-"""GRP201: lag-0 mean |new − old| of the last half of the steps over the first half (healthy: 0.9–1.1)."""
+"""GRP201: last over first value of the least-squares line through the per-step lag-0 disagreement (the worst
+lag-0 sequence of each step, or the step's lag-0 mean); healthy simulated dumps: ≈ 1."""
+SYNC_RANK_CORR = 0.7
+"""GRP201: and the Spearman rank correlation of that series with the step must be at least this (a steady rise,
+not one bad step; with 6 steps a chance value ≥ 0.7 has probability ≈ 0.06, and the ratio must hold too)."""
 SYNC_MIN_RISE = 0.01
 """GRP201: and the rise must be at least this many nats (slime's healthy level is ~0.011; a public SGLang run
 drifting 0.011 → 0.036 over 30 steps is the pattern)."""
 SYNC_LAG_DRIFT = 0.5
-"""GRP201: the recorded mean lag must not rise by more than this between the halves (else it is staleness)."""
+"""GRP201: the recorded mean lag must not rise by more than this over the steps (fitted line), else the rise may
+be staleness."""
 MULT_ERROR_WARNING, MULT_ERROR_ERROR = 1.05, 1.2
 """GRP202: NeMo RL's mean exp(|new − old|) over lag-0 tokens (1 = identical). Healthy bf16 simulation: 1.008;
 published bf16 stacks show mean |Δ| ≈ 0.011 (exp ≈ 1.011). 1.05 is ~5× the healthy excess."""
@@ -334,7 +342,10 @@ def _alignment(c: _Ctx) -> list[Finding]:
 
 def _temperature(c: _Ctx) -> list[Finding]:
     f = c.fig
-    b = _num(f, "diag/old_vs_new_slope")
+    key = "diag/old_vs_new_slope"
+    if _num(f, "diag/lag0_old_vs_new_slope") is not None and (_num(f, "diag/lag0_n_tokens") or 0) >= SLOPE_MIN_LAG0:
+        key = "diag/lag0_old_vs_new_slope"
+    b = _num(f, key)
     if b is None:
         return []
     dev = abs(b - 1.0)
@@ -347,7 +358,7 @@ def _temperature(c: _Ctx) -> list[Finding]:
         f"different temperatures (ratio ≈ {t_ratio:.2f})"
     )
     ev = {
-        "diag/old_vs_new_slope": _ev(b, f"|b − 1| ≥ {SLOPE_WARNING}"),
+        key: _ev(b, f"|b − 1| ≥ {SLOPE_WARNING}"),
         "diag/old_vs_new_intercept": _ev(_num(f, "diag/old_vs_new_intercept"), None),
         "diag/old_gt_new_frac": _ev(_num(f, "diag/old_gt_new_frac"), None),
     }
@@ -526,43 +537,84 @@ def _duplicates(c: _Ctx) -> list[Finding]:
     return []
 
 
+def _trend(series: list[tuple[int, float, float]]) -> tuple[float, float, float] | None:
+    """(Spearman rank correlation of value with step, fitted first value, fitted last value) of a per-step series
+    (least-squares line over the steps, unweighted), or ``None`` below 4 steps."""
+    if len(series) < 4:
+        return None
+    xs = [float(s) for s, _, _ in series]
+    ys = [v for _, v, _ in series]
+    n = len(xs)
+
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(n), key=lambda i: v[i])
+        out = [0.0] * n
+        for r, i in enumerate(order):
+            out[i] = float(r)
+        return out
+
+    def corr(a: list[float], b: list[float]) -> float:
+        ma, mb = sum(a) / n, sum(b) / n
+        cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+        va = sum((x - ma) ** 2 for x in a)
+        vb = sum((y - mb) ** 2 for y in b)
+        return cov / math.sqrt(va * vb) if va > 0 and vb > 0 else 0.0
+
+    mx, my = sum(xs) / n, sum(ys) / n
+    vx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / vx if vx > 0 else 0.0
+    return corr(ranks(xs), ranks(ys)), my + slope * (xs[0] - mx), my + slope * (xs[-1] - mx)
+
+
 def _weight_sync(c: _Ctx) -> list[Finding]:
     f = c.fig
-    lag0 = _series(f, c.steps, "lag0_abs_diff_mean", "by_staleness/lag0")
     notes: list[str] = []
-    series, key = lag0, "lag0_abs_diff_mean"
-    if not series:
-        series, key = _series(f, c.steps, "abs_diff_mean", "kl/abs_diff_mean"), "abs_diff_mean"
+    candidates = [
+        ("lag0_seq_max", _series(f, c.steps, "lag0_seq_max", None)),
+        ("lag0_abs_diff_mean", _series(f, c.steps, "lag0_abs_diff_mean", "by_staleness/lag0")),
+    ]
+    if not any(s for _, s in candidates):
+        candidates = [("abs_diff_mean", _series(f, c.steps, "abs_diff_mean", "kl/abs_diff_mean"))]
         notes.append("no versions: the disagreement could not be restricted to lag 0")
-    h = _halves(series)
-    if h is None:
+    best: tuple[str, str, float, float, float, list[tuple[int, float, float]]] | None = None
+    for key, series in candidates:
+        t = _trend(series)
+        if t is None:
+            continue
+        rho, start, end = t
+        if rho < SYNC_RANK_CORR or end - start < SYNC_MIN_RISE or start <= 0:
+            continue
+        ratio = end / start
+        sev = _grade(ratio, SYNC_RATIO_WARNING, SYNC_RATIO_ERROR)
+        if sev is not None and (best is None or ratio > best[3]):
+            best = (key, sev, rho, ratio, end - start, series)
+    if best is None:
         return []
-    first, last = h
-    if not (first > 0 and math.isfinite(last)):
-        return []
-    ratio = last / first
-    sev = _grade(ratio, SYNC_RATIO_WARNING, SYNC_RATIO_ERROR)
-    if sev is None or last - first < SYNC_MIN_RISE:
-        return []
+    key, sev, rho, ratio, rise, series = best
     lag_series = _series(f, c.steps, "lag_mean", "staleness/theta_mean")
-    lh = _halves(lag_series)
-    if lh is not None and lh[1] - lh[0] > SYNC_LAG_DRIFT:
-        sev = _cap(sev, notes, f"the recorded lag rises too ({lh[0]:.2f} → {lh[1]:.2f}): this may be staleness")
-    if key != "lag0_abs_diff_mean":
+    lt = _trend(lag_series)
+    if lt is not None and lt[2] - lt[1] > SYNC_LAG_DRIFT:
+        sev = _cap(sev, notes, f"the recorded lag rises too ({lt[1]:.2f} → {lt[2]:.2f}): this may be staleness")
+    if key == "abs_diff_mean":
         sev = _cap(sev, notes, "lag unknown")
-    worst = sorted(series, key=lambda x: -x[1])[:5]
+    first, last = series[0][1], series[-1][1]
     title = (
-        f"train/inference disagreement at recorded lag 0 grows step by step ({first:.3f} → {last:.3f} nats, "
-        f"×{ratio:.1f}) while the recorded lag does not: the engine seems to sample with stale weights"
+        f"train/inference disagreement at recorded lag 0 grows step by step ({key} {first:.3f} → {last:.3f} "
+        f"nats, fitted ×{ratio:.1f}) while the recorded lag does not: the engine seems to sample with stale weights"
     )
-    ev = {f"diag/by_step[{key}] last/first half": _ev(ratio, SYNC_RATIO_WARNING),
-          f"diag/by_step[{key}] rise": _ev(last - first, SYNC_MIN_RISE)}
+    ev = {
+        f"diag/by_step[{key}] fitted last/first": _ev(ratio, SYNC_RATIO_WARNING),
+        f"diag/by_step[{key}] fitted rise": _ev(rise, SYNC_MIN_RISE),
+        f"diag/by_step[{key}] rank correlation with step": _ev(rho, SYNC_RANK_CORR),
+    }
     fix = (
-        "Check the weight update of the inference engine after every optimiser step (refit/broadcast succeeded on "
-        "every engine and rank, the version counter is bumped only after the new weights are loaded). AReaL: "
-        "`update_weights` then `set_version`; verl/slime: the rollout weight sync; a stale engine whose version "
-        "stamp advances looks exactly like this."
+        "Check the weight update of the inference engine after every optimiser step (the refit/broadcast "
+        "succeeded on every engine and rank; the version counter is bumped only after the new weights are "
+        "loaded). AReaL: `update_weights` then `set_version`; verl/slime: the rollout weight sync. A stale engine "
+        "whose version stamp advances looks exactly like this; if one worker is affected, its sequences lead "
+        "`where`."
     )
+    worst = sorted(series, key=lambda x: -x[1])[:5]
     where = {"steps": [s for s, _, _ in worst], "sequences": _sequences(f.get("diag/lag0_top"))}
     return [Finding("GRP201", "weight-sync", sev, title, ev, where, fix, notes)]
 
@@ -900,7 +952,11 @@ def detect(
     findings: list[Finding] = []
     for detector in _DETECTORS:
         findings.extend(ctx.finish(f) for f in detector(ctx))
+    if any(f.code == "GRP101" and f.severity != "info" for f in findings):
+        for f in findings:
+            if f.code == "GRP104" and set(f.evidence) == {"diag/old_zero_new_nonzero_frac"} and f.severity != "info":
+                f.severity = _cap(f.severity, f.notes, "the zeros are the fill of the shifted column (GRP101)")
     _demote(findings, ("GRP101", "GRP104"), _OLD_VS_NEW)
-    _demote(findings, ("GRP102", "GRP103"), {"mismatch", "importance-weights"})
+    _demote(findings, ("GRP102", "GRP103"), {"mismatch", "importance-weights", "weight-sync"})
     order = {s: i for i, s in enumerate(SEVERITIES)}
     return sorted(findings, key=lambda f: (-order[f.severity], f.code))

@@ -495,18 +495,20 @@ def equality_update(state: MetricState, *, columns: dict[str, Tensor | None]) ->
         state: from :func:`equality_state`.
         columns: ``{"new": …, "old": …, "prox": …, "ref": …}`` valid-token log-probs or ``None`` (absent).
 
-    Equality is exact (``a == b`` in the stored dtype; two NaNs are never equal).
+    Equality is exact (``a == b`` in the stored dtype; two NaNs are never equal). Tokens where both are exactly 0
+    do not count as equal: zeros say nothing about which policy produced a column (padding, or certain tokens),
+    and :func:`zeros_update` reports them.
     """
     for a, b in _PAIRS:
         x, y = columns.get(a), columns.get(b)
         if x is None or y is None or x.numel() == 0:
             continue
-        state.update(**{f"n_{a}_{b}": torch.tensor(x.numel()), f"eq_{a}_{b}": (x == y).sum()})
+        state.update(**{f"n_{a}_{b}": torch.tensor(x.numel()), f"eq_{a}_{b}": ((x == y) & (x != 0)).sum()})
 
 
 def equality_compute(state: MetricState) -> dict[str, Any]:
-    """``diag/equal_frac/<a>_<b>``: the fraction of valid tokens where columns a and b are bitwise equal, for each
-    pair of ``new``, ``old``, ``prox``, ``ref`` the dump has."""
+    """``diag/equal_frac/<a>_<b>``: the fraction of valid tokens where columns a and b are bitwise equal and not 0,
+    for each pair of ``new``, ``old``, ``prox``, ``ref`` the dump has."""
     out: dict[str, Any] = {}
     for a, b in _PAIRS:
         n = int(state[f"n_{a}_{b}"])
@@ -647,32 +649,40 @@ def groups_update(
     *,
     rewards: Tensor,
     advantages: Tensor,
+    loss_mask: Tensor,
     cu_seqlens: Tensor,
     group_id: Tensor,
     step: Tensor | None = None,
 ) -> None:
-    """Fold one batch into ``state``.
+    """Fold one batch of whole sequences into ``state``.
 
     Args:
         state: from :func:`groups_state`.
         rewards: ``[B]`` per-sequence rewards.
-        advantages: ``[N]`` per-token advantages of the **valid tokens**; a sequence's advantage is their mean.
-        cu_seqlens: ``[B + 1]`` offsets of the valid tokens.
+        advantages: ``[N]`` per-token advantages (per-sequence ones broadcast); a sequence's advantage is their mean
+            over its loss-mask tokens, or over all its tokens when it has none (a sequence whose mask was emptied
+            still belongs to its group's statistics).
+        loss_mask: ``[N]`` bool.
+        cu_seqlens: ``[B + 1]`` offsets.
         group_id: ``[B]`` group ids; the key is (step, group_id) when ``step`` is given.
         step: ``[B]`` steps, or ``None``.
 
-    Sequences without a valid token or with a non-finite reward or advantage are left out. The float sums are
-    float64 and merge by ``scatter_reduce``, so they are independent of batching up to summation order (1e-15
-    relative), unlike the integer counts.
+    Sequences with a non-finite reward or advantage are left out. The float sums are float64 and merge by
+    ``scatter_reduce``, so they are independent of batching up to summation order (1e-15 relative).
     """
     n_seq = cu_seqlens.numel() - 1
     if n_seq == 0:
         return
     device = advantages.device
-    lengths = lengths_from_cu_seqlens(cu_seqlens).to(device)
     seq = segment_ids(cu_seqlens, advantages.numel()).to(device)
-    a_sum = torch.zeros(n_seq, dtype=torch.float64, device=device).index_add_(0, seq, advantages.to(torch.float64))
-    a = a_sum / lengths.clamp_min(1)
+    valid = loss_mask.to(torch.bool)
+    adv = advantages.to(torch.float64)
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    v_sum = torch.zeros(n_seq, dtype=torch.float64, device=device).index_add_(0, seq, torch.where(valid, adv, zero))
+    v_n = torch.zeros(n_seq, dtype=torch.int64, device=device).index_add_(0, seq, valid.to(torch.int64))
+    all_sum = torch.zeros(n_seq, dtype=torch.float64, device=device).index_add_(0, seq, adv)
+    lengths = lengths_from_cu_seqlens(cu_seqlens).to(device)
+    a = torch.where(v_n > 0, v_sum / v_n.clamp_min(1), all_sum / lengths.clamp_min(1))
     r = rewards.to(device=device, dtype=torch.float64)
     keep = (lengths > 0) & torch.isfinite(a) & torch.isfinite(r)
     gid = group_id.to(device=device, dtype=torch.int64)
@@ -752,7 +762,9 @@ _STEP_COLUMNS = (
     "n_tok", "n_old", "sum_abs", "n_lag0", "sum_abs_lag0", "sum_exp_lag0", "n_ent", "sum_ent", "sum_neg_new",
     "n_seq", "n_eos_known", "n_no_eos", "n_lag", "sum_lag", "n_clip_known", "n_clip",
 )
-_STEP_OPS = (Reduce.SUM,) * len(_STEP_COLUMNS) + (Reduce.MAX,)
+_STEP_OPS = (Reduce.SUM,) * len(_STEP_COLUMNS) + (Reduce.MAX, Reduce.MAX)
+LAG0_SEQ_MIN_TOKENS = 4
+"""``lag0_seq_max`` in :func:`by_step_compute` considers sequences with at least this many lag-0 tokens."""
 
 
 def by_step_state(device: torch.device | str | None = None) -> KeyedState:
@@ -839,17 +851,28 @@ def by_step_update(
         clipped = ((ratio > high) & (adv > 0)) | ((ratio < 1.0 - epsilon) & (adv < 0))
         cols["n_clip_known"] = cols["n_tok"]
         cols["n_clip"] = tok_sum(clipped)
-    rows = torch.stack([keys.to(torch.float64), *[cols[c] for c in _STEP_COLUMNS], max_lag], dim=1)
+    seq_max = torch.full((n_keys,), -math.inf, dtype=torch.float64, device=device)
+    if old_logp is not None and lag is not None:
+        at0 = lag == 0
+        d0 = torch.where(at0, (new - _float(old_logp)).abs().to(torch.float64), 0.0)
+        s_sum = torch.zeros(n_seq, dtype=torch.float64, device=device).index_add_(0, seq, d0)
+        s_n = torch.zeros(n_seq, dtype=torch.int64, device=device).index_add_(0, seq, at0.to(torch.int64))
+        ok = s_n >= LAG0_SEQ_MIN_TOKENS
+        if bool(ok.any()):
+            seq_max = seq_max.scatter_reduce(0, inv_seq[ok], (s_sum / s_n.clamp_min(1))[ok], reduce="amax")
+    rows = torch.stack([keys.to(torch.float64), *[cols[c] for c in _STEP_COLUMNS], max_lag, seq_max], dim=1)
     state.update(s=rows)
 
 
 def by_step_compute(state: KeyedState) -> dict[str, Any]:
     """``diag/by_step``: one row per step, in step order, ``{step, n_tokens, abs_diff_mean, lag0_n_tokens,
     lag0_abs_diff_mean, lag0_mult_prob_error, entropy_mean, neg_logp_mean, n_sequences, no_eos_frac, lag_mean,
-    lag_max, clip_frac}``; a figure whose inputs are absent is ``None``."""
+    lag_max, clip_frac, lag0_seq_max}`` (``lag0_seq_max``: the largest per-sequence mean |new − old| over the lag-0
+    tokens of sequences with ≥ LAG0_SEQ_MIN_TOKENS of them: the worst engine of the step, which a broken worker
+    sets whatever its share of the batch); a figure whose inputs are absent is ``None``."""
     rows = []
     for r in state["s"].tolist():
-        c = dict(zip(("step", *_STEP_COLUMNS, "lag_max"), r))
+        c = dict(zip(("step", *_STEP_COLUMNS, "lag_max", "lag0_seq_max"), r))
 
         def ratio(num: str, den: str, c: dict[str, float] = c) -> float | None:
             return c[num] / c[den] if c[den] > 0 else None
@@ -868,6 +891,7 @@ def by_step_compute(state: KeyedState) -> dict[str, Any]:
             "lag_mean": ratio("sum_lag", "n_lag"),
             "lag_max": None if c["lag_max"] == -math.inf else int(c["lag_max"]),
             "clip_frac": ratio("n_clip", "n_clip_known"),
+            "lag0_seq_max": None if c["lag0_seq_max"] == -math.inf else c["lag0_seq_max"],
         })
     return {"diag/by_step": rows}
 
@@ -880,6 +904,7 @@ def lags_state(device: torch.device | str | None = None, top_k: int = 8) -> Metr
         "n": count(bins), "sum_abs": total(bins), "n_prox": count(bins), "sum_prox_err": total(bins),
         "sum_exp0": total(), "max_abs0": maximum(), "n_seq0": count(), "n_seq0_big": count(),
         "lag_max": maximum(), "top": top_rows(top_k, len(TOP_FIELDS)),
+        "sx0": total(), "sy0": total(), "sxx0": total(), "sxy0": total(),
     }
     return MetricState(specs, device)
 
@@ -935,7 +960,9 @@ def lags_update(
         err = (_float(prox_logp).to(torch.float64) - (old + alpha * (new - old))).abs()
         state.update(n_prox=counts, sum_prox_err=zeros.clone().index_add_(0, b[gen], err[gen]))
     at0 = lag == 0
-    state.update(sum_exp0=torch.exp(diff[at0]).sum())
+    x0, y0 = new[at0], old[at0]
+    state.update(sum_exp0=torch.exp(diff[at0]).sum(), sx0=x0.sum(), sy0=y0.sum(), sxx0=(x0 * x0).sum(),
+                 sxy0=(x0 * y0).sum())
     if bool(at0.any()):
         state.update(max_abs0=diff[at0].max())
     n_seq = cu_seqlens.numel() - 1
@@ -951,9 +978,10 @@ def lags_update(
 
 def lags_compute(state: MetricState, *, tolerance: float = 0.01) -> dict[str, Any]:
     """``diag/lag0_n_tokens``, ``diag/lag0_abs_diff_mean``, ``diag/lag0_abs_diff_max``, ``diag/lag0_mult_prob_error``
-    (NeMo RL's mean exp(|new − old|) over lag-0 tokens), ``diag/lag0_big_seq_frac`` (lag-0 sequences with mean
-    |new − old| > :data:`BIG_SEQ_MISMATCH`), ``diag/lag0_top``; ``diag/by_lag`` rows ``{lag, n_tokens,
-    abs_diff_mean, prox_loglinear_error}`` (the last bin, ``overflow``, holds lags ≥ MAX_DIAG_LAG);
+    (NeMo RL's mean exp(|new − old|) over lag-0 tokens), ``diag/lag0_old_vs_new_slope`` (the least-squares slope
+    of old on new over lag-0 tokens, where policy drift cannot tilt it), ``diag/lag0_big_seq_frac`` (lag-0
+    sequences with mean |new − old| > :data:`BIG_SEQ_MISMATCH`), ``diag/lag0_top``; ``diag/by_lag`` rows
+    ``{lag, n_tokens, abs_diff_mean, prox_loglinear_error}`` (the last bin, ``overflow``, holds lags ≥ MAX_DIAG_LAG);
     with ``prox_logp``: ``diag/prox_loglinear_safe_lag`` (the largest k ≥ 1 with every observed lag in [1, k] at a
     mean error ≤ ``tolerance``, 0 when lag 1 already exceeds it; compare-prox's ``max_safe_lag`` rule) and
     ``diag/prox_beyond_safe_frac`` (generated tokens with a lag above it / generated tokens with lag ≥ 1)."""
@@ -970,6 +998,10 @@ def lags_compute(state: MetricState, *, tolerance: float = 0.01) -> dict[str, An
         out["diag/lag0_abs_diff_mean"] = sums[0] / n[0]
         out["diag/lag0_abs_diff_max"] = float(state["max_abs0"])
         out["diag/lag0_mult_prob_error"] = float(state["sum_exp0"]) / n[0]
+        mx, my = float(state["sx0"]) / n[0], float(state["sy0"]) / n[0]
+        vx = float(state["sxx0"]) / n[0] - mx * mx
+        if vx > 1e-12 * max(1.0, mx * mx):
+            out["diag/lag0_old_vs_new_slope"] = (float(state["sxy0"]) / n[0] - mx * my) / vx
     if int(state["n_seq0"]):
         out["diag/lag0_big_seq_frac"] = int(state["n_seq0_big"]) / int(state["n_seq0"])
         out["diag/lag0_n_seq"] = int(state["n_seq0"])
@@ -1039,9 +1071,9 @@ def diagnosis_update(states: dict[str, MetricState], batch: Any) -> None:
         if lag is not None:
             lags_update(states["lags"], new_logp=v.new_logp, old_logp=v.old_logp, lag=lag, cu_seqlens=vcu,
                         prox_logp=v.prox_logp, file_index=fi, rows=rows, step=step)
-    if v.rewards is not None and v.advantages is not None and v.group_id is not None:
-        groups_update(states["groups"], rewards=v.rewards, advantages=v.advantages, cu_seqlens=vcu,
-                      group_id=v.group_id, step=step)
+    if batch.rewards is not None and batch.advantages is not None and batch.group_id is not None:
+        groups_update(states["groups"], rewards=batch.rewards, advantages=batch.advantages,
+                      loss_mask=batch.loss_mask, cu_seqlens=cu, group_id=batch.group_id, step=step)
     if step is not None:
         base = v.prox_logp if v.prox_logp is not None else v.old_logp
         by_step_update(states["by_step"], step=step, new_logp=v.new_logp, cu_seqlens=vcu, old_logp=v.old_logp,
