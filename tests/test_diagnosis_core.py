@@ -2,13 +2,44 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
-from grpo_cli.core.diagnosis import diagnosis_compute, diagnosis_state, diagnosis_update
+from grpo_cli.core.diagnosis import (
+    by_step_compute,
+    by_step_state,
+    by_step_update,
+    diagnosis_compute,
+    diagnosis_state,
+    diagnosis_update,
+    duplicates_compute,
+    duplicates_state,
+    duplicates_update,
+    equality_compute,
+    equality_state,
+    equality_update,
+    groups_compute,
+    groups_state,
+    groups_update,
+    lags_compute,
+    lags_state,
+    lags_update,
+    relation_compute,
+    relation_state,
+    relation_update,
+    sequence_hash,
+    shift_compute,
+    shift_state,
+    shift_update,
+    zeros_compute,
+    zeros_state,
+    zeros_update,
+)
 from grpo_cli.core.packing import segment_ids
 from grpo_cli.io import RolloutDataset
 
@@ -91,3 +122,226 @@ def diag_figures(paths: list[Path] | Path, batch_tokens: int = 1 << 14) -> dict[
     for batch in ds.iter_batches(batch_tokens=batch_tokens):
         diagnosis_update(states, batch)
     return diagnosis_compute(states)
+
+
+def _close(a: Any, b: Any, rel: float = 1e-12, path: str = "") -> None:
+    """Recursive equality of figure dicts: floats to ``rel`` relative, everything else exactly."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), path
+        for k in a:
+            _close(a[k], b[k], rel, f"{path}/{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, rel, f"{path}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        if math.isnan(a):
+            assert math.isnan(b), path
+        else:
+            assert a == pytest.approx(b, rel=rel, abs=1e-15), path
+    else:
+        assert a == b, path
+
+
+def _cu(*lengths: int) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
+
+
+# -- shift -----------------------------------------------------------------------------------------------------------
+def _shift_example() -> dict[str, torch.Tensor]:
+    # sequence A: old written one token late (old[t] = new[t − 1]); sequence B: old == new
+    new = torch.tensor([0.0, -1, -2, -3, -4, -1, -1.5, -2, -2.5])
+    old = torch.tensor([0.0, 0, -1, -2, -3, -1, -1.5, -2, -2.5])
+    mask = torch.tensor([0, 1, 1, 1, 1, 1, 1, 1, 1], dtype=torch.bool)
+    return {"new_logp": new, "old_logp": old, "loss_mask": mask}
+
+
+def test_shift_hand_values() -> None:
+    ex = _shift_example()
+    state = shift_state()
+    shift_update(state, **ex, cu_seqlens=_cu(5, 4), file_index=3, rows=torch.tensor([10, 11]))
+    out = shift_compute(state)
+    # shift 0: A |Δ| = 1 on 4 tokens, B 0 on 4; +1: A 0 on 3 pairs, B 0.5 on 3; −1: A 2 on 3, B 0.5 on 3
+    assert out["diag/shift_abs_diff_0"] == pytest.approx(0.5)
+    assert out["diag/shift_abs_diff_p1"] == pytest.approx(0.25)
+    assert out["diag/shift_abs_diff_m1"] == pytest.approx(1.25)
+    assert out["diag/shift_best"] == 1 and out["diag/shift_gain"] == pytest.approx(2.0)
+    assert out["diag/shift_n_seq"] == 2
+    assert out["diag/shift_seq_late_frac"] == 0.5 and out["diag/shift_seq_early_frac"] == 0.0
+    assert out["diag/shift_top"] == [{"score": 1.0, "file": 3, "row": 10, "step": None, "value": 1.0}]
+
+
+def test_shift_merges_across_batches() -> None:
+    ex = _shift_example()
+    whole = shift_state()
+    shift_update(whole, **ex, cu_seqlens=_cu(5, 4))
+    a, b = shift_state(), shift_state()
+    shift_update(a, **{k: v[:5] for k, v in ex.items()}, cu_seqlens=_cu(5), rows=torch.tensor([0]))
+    shift_update(b, **{k: v[5:] for k, v in ex.items()}, cu_seqlens=_cu(4), rows=torch.tensor([1]))
+    _close(shift_compute(b.merge(a)), shift_compute(whole))
+
+
+# -- relation --------------------------------------------------------------------------------------------------------
+def test_relation_against_float64_reference() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = -torch.rand(200, generator=g, dtype=torch.float64) * 5
+    y = 0.3 + 1.2 * x + 0.05 * torch.randn(200, generator=g, dtype=torch.float64)
+    lengths = (50, 70, 80)
+    state = relation_state()
+    for lo, hi, n in ((0, 50, 50), (50, 200, None)):
+        cu = _cu(50) if n else _cu(70, 80)
+        relation_update(state, new_logp=x[lo:hi].float(), old_logp=y[lo:hi].float(), cu_seqlens=cu)
+    out = relation_compute(state)
+    xf, yf = x.float().double(), y.float().double()
+    design = torch.stack([torch.ones_like(xf), xf], 1)
+    coef = torch.linalg.lstsq(design, yf[:, None]).solution.flatten()
+    assert out["diag/old_vs_new_slope"] == pytest.approx(float(coef[1]), rel=1e-9)
+    assert out["diag/old_vs_new_intercept"] == pytest.approx(float(coef[0]), rel=1e-9)
+    assert out["diag/old_gt_new_frac"] == float((yf > xf).double().mean())
+    d = yf - xf
+    seq_means = torch.stack([c.mean() for c in d.split(lengths)])
+    assert out["diag/seq_old_minus_new_mean"] == pytest.approx(float(seq_means.mean()), rel=1e-12)
+    ci = 1.96 * float(seq_means.std(unbiased=False)) / math.sqrt(3)
+    assert out["diag/seq_old_minus_new_ci"] == pytest.approx(ci, rel=1e-9)
+    onesided = [float((c > 0).double().mean()) >= 0.95 for c in d.split(lengths)]
+    assert out["diag/onesided_seq_frac"] == sum(onesided) / 3
+
+
+# -- zeros and mask coverage -------------------------------------------------------------------------------------------
+def test_zeros_hand_values() -> None:
+    new = torch.tensor([0.0, -2, -1, -0.5, 0, 0, -3, -2, -1, -1.5, -2])
+    old = torch.tensor([0.0, 0, -1.1, -0.4, 0, 0, 0, -2.1, -1, -1.4, -2.2])
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1, 0, 1, 1], dtype=torch.bool)
+    versions = torch.tensor([-1, -1, 0, 0, 0, 0, -1, 0, 0, 0, 0])
+    state = zeros_state()
+    zeros_update(state, loss_mask=mask, cu_seqlens=_cu(6, 5), columns={"new_logp": new, "old_logp": old},
+                 versions=versions)
+    out = zeros_compute(state)
+    assert out["diag/zero_frac/new_logp"] == 2 / 8  # the trailing run of sequence 0
+    assert out["diag/zero_frac/old_logp"] == 3 / 8
+    assert out["diag/old_zero_new_nonzero_frac"] == 1 / 8  # sequence 1's prompt token: old 0, new −3
+    assert out["diag/trailing_zero_seq_frac"] == 0.5 and out["diag/trailing_zero_tokens"] == 2
+    assert out["diag/mask_hole_frac"] == 1 / 8  # token 8: masked between valid tokens
+    assert out["diag/prompt_in_loss_frac"] == 1 / 8
+    assert out["diag/generated_masked_frac"] == 1 / 8
+    assert out["diag/mask_hole_generated_frac"] == 1 / 8
+    assert out["diag/mask_suspect_seq_frac"] == 1.0
+    # suspicious tokens: sequence 0 its 2-token zero run; sequence 1 its prompt token (in the loss, engine 0) and
+    # its generated token out of the loss
+    assert [(r["row"], r["score"]) for r in out["diag/mask_top"]] == [(0, 2.0), (1, 2.0)]
+
+
+# -- equality ----------------------------------------------------------------------------------------------------------
+def test_equality_hand_values() -> None:
+    state = equality_state()
+    equality_update(state, columns={"new": torch.tensor([-1.0, -2, 0]), "old": torch.tensor([-1.0, -2.5, 0]),
+                                    "ref": torch.tensor([-1.0, -2, 0]), "prox": None})
+    out = equality_compute(state)
+    assert out == {"diag/equal_frac/new_old": 1 / 3, "diag/equal_frac/new_ref": 2 / 3,
+                   "diag/equal_frac/old_ref": 1 / 3}
+
+
+# -- duplicates --------------------------------------------------------------------------------------------------------
+def test_sequence_hash_and_duplicates() -> None:
+    x = torch.tensor([-1.0, -2, -3, -1, -2, -3, -1, -2, -3.0000002, -2, -1, -3])
+    cu = _cu(3, 3, 3, 3)
+    keys = sequence_hash([x], cu).tolist()
+    assert keys[0] == keys[1] and len(set(keys)) == 3  # equal content, a one-ulp change, the same values reordered
+    assert all(0 <= k < 2.0**53 and k == int(k) for k in keys)
+    state = duplicates_state()
+    duplicates_update(state, cu_seqlens=cu[:3], columns=[x[:6]], seq_id=torch.tensor([5, 5]),
+                      step=torch.tensor([0, 0]), file_index=1, rows=torch.tensor([7, 9]))
+    duplicates_update(state, cu_seqlens=_cu(3, 3), columns=[x[6:]], seq_id=torch.tensor([5, 6]),
+                      step=torch.tensor([1, 1]), file_index=2, rows=torch.tensor([0, 1]))
+    out = duplicates_compute(state)
+    assert out["diag/dup_content_extra"] == 1 and out["diag/dup_content_frac"] == 0.25
+    assert out["diag/dup_id_extra"] == 1 and out["diag/dup_id_frac"] == 0.25  # (0, 5) twice; (1, 5) is another step
+    assert out["diag/dup_where"] == [{"count": 2, "file": 1, "row": 7, "other_file": 1, "other_row": 9}]
+
+
+# -- groups ------------------------------------------------------------------------------------------------------------
+def _group_batch(scale: str = "std", flip: int | None = None, shift: int | None = None, var_groups: int = 0):
+    patterns = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 0, 0], [0, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]]
+    rewards, adv = [], []
+    for g, p in enumerate(patterns):
+        r = torch.tensor(p, dtype=torch.float64)
+        centred = r - r.mean()
+        a = centred / (r.std() + 1e-6) if scale == "std" else centred
+        if g < var_groups:
+            a = centred / (r.var() + 1e-6)
+        if flip == g:
+            a = -a
+        if shift == g:
+            a = a + 0.5
+        rewards.append(r)
+        adv.append(a)
+    r = torch.cat(rewards)
+    a = torch.cat(adv)
+    lengths = torch.arange(len(r)) % 3 + 1
+    tokens = a.repeat_interleave(lengths)
+    return {"rewards": r, "advantages": tokens, "loss_mask": torch.ones(tokens.numel(), dtype=torch.bool),
+            "cu_seqlens": _cu(*lengths.tolist()), "group_id": torch.arange(len(patterns)).repeat_interleave(4)}
+
+
+def test_groups_hand_values() -> None:
+    def run(**kw: Any) -> dict[str, Any]:
+        state = groups_state()
+        groups_update(state, **_group_batch(**kw), step=None)
+        return groups_compute(state)
+
+    healthy = run()
+    assert healthy["diag/groups_n"] == 7 and healthy["diag/groups_spread_n"] == 6
+    assert healthy["diag/adv_sign_flip_frac"] == 0 and healthy["diag/adv_uncentred_frac"] == 0
+    assert healthy["diag/adv_scale_exponent"] == pytest.approx(-1.0, abs=1e-4)
+    assert healthy["diag/adv_scale_outlier_frac"] == 0
+    assert healthy["diag/adv_group_std_mean"] == pytest.approx(math.sqrt(3 / 4), rel=1e-5)  # pop. sd of A, n = 4
+    assert run(scale="none")["diag/adv_scale_exponent"] == pytest.approx(0.0, abs=1e-9)
+    flipped = run(flip=1)
+    assert flipped["diag/adv_sign_flip_frac"] == 1 / 6
+    assert flipped["diag/adv_where"] == [{"step": 0, "group_id": 1, "problem": "sign"}]
+    assert run(shift=2)["diag/adv_uncentred_frac"] == 1 / 7
+    assert run(var_groups=2)["diag/adv_scale_outlier_frac"] == 2 / 6  # 2 of the 6 spread groups off the std model
+
+
+# -- by step -----------------------------------------------------------------------------------------------------------
+def test_by_step_hand_values() -> None:
+    state = by_step_state()
+    by_step_update(
+        state, step=torch.tensor([3, 1]), new_logp=torch.tensor([-1.0, -2, -1, -1, -1, -1, -3]),
+        cu_seqlens=_cu(2, 5), old_logp=torch.tensor([-1.5, -2, -1.25, -1.25, -1.25, -1.25, -3]),
+        entropy=torch.tensor([1.0, 2, 0, 0, 0, 0, 1]), lag=torch.tensor([0, 1, 0, 0, 0, 0, -1]),
+        eos=torch.tensor([1, 0]), advantages=torch.tensor([1.0, 1, -1, -1, -1, -1, -1]),
+        base_logp=torch.tensor([-1.5, -2, -1, -1, -1, -1, -2.5]),
+    )
+    rows = by_step_compute(state)["diag/by_step"]
+    assert [r["step"] for r in rows] == [1, 3]
+    s1, s3 = rows
+    assert s3["abs_diff_mean"] == 0.25 and s3["lag0_abs_diff_mean"] == 0.5 and s3["lag0_n_tokens"] == 1
+    assert s3["lag0_mult_prob_error"] == pytest.approx(math.exp(0.5))
+    assert s3["entropy_mean"] == 1.5 and s3["neg_logp_mean"] == 1.5 and s3["no_eos_frac"] == 0.0
+    assert s3["lag_mean"] == 0.5 and s3["lag_max"] == 1
+    assert s3["clip_frac"] == 0.5  # r = e^0.5 > 1.2 with A > 0 on the first token
+    assert s3["lag0_seq_max"] is None  # fewer than 4 lag-0 tokens
+    assert s1["lag0_seq_max"] == pytest.approx(0.25) and s1["no_eos_frac"] == 1.0
+    assert s1["lag_mean"] == 0.0 and s1["lag_max"] == 0  # the lag −1 token is not generated
+    assert s1["clip_frac"] == pytest.approx(1 / 5)  # r = e^−0.5 < 0.8 with A < 0 on the last token
+
+
+# -- lags and the proximal approximation ------------------------------------------------------------------------------
+def test_lags_hand_values() -> None:
+    new = torch.tensor([-1.0, -1.0, -2.0, -1.0, -3.0])
+    old = torch.tensor([-1.05, -1.5, -1.0, -2.0, -1.0])
+    lag = torch.tensor([0, 1, 2, 3, -1])
+    # prox: lag 1 exactly old (α = 0); lag 2 the midpoint + 0.005; lag 3 the 2/3 point + 0.05; lag 0 anything
+    prox = torch.tensor([-1.0, -1.5, -1.5 + 0.005, -2.0 + (2 / 3) * 1.0 + 0.05, 0.0], dtype=torch.float64)
+    state = lags_state()
+    lags_update(state, new_logp=new, old_logp=old, lag=lag, cu_seqlens=_cu(2, 3), prox_logp=prox)
+    out = lags_compute(state)
+    assert out["diag/lag0_n_tokens"] == 1 and out["diag/lag0_abs_diff_mean"] == pytest.approx(0.05, rel=1e-6)
+    assert out["diag/lag0_mult_prob_error"] == pytest.approx(math.exp(0.05), rel=1e-6)
+    assert out["diag/lag_max"] == 3
+    errors = {r["lag"]: r["prox_loglinear_error"] for r in out["diag/by_lag"]}
+    assert errors[1] == pytest.approx(0.0, abs=1e-7)
+    assert errors[2] == pytest.approx(0.005, rel=1e-5) and errors[3] == pytest.approx(0.05, rel=1e-5)
+    assert out["diag/prox_loglinear_safe_lag"] == 2 and out["diag/prox_beyond_safe_frac"] == pytest.approx(1 / 3)
+    assert out["diag/lag0_top"][0]["row"] == 0 and out["diag/lag0_big_seq_frac"] == 0.0
