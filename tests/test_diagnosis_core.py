@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from simulate import FAULTS, HEALTHY, SimConfig, fault_config, simulate
 
+from grpo_cli.core.diag_findings import CATEGORIES, CODES, SEVERITIES, DetectConfig, detect
 from grpo_cli.core.diagnosis import (
     by_step_compute,
     by_step_state,
@@ -345,3 +349,129 @@ def test_lags_hand_values() -> None:
     assert errors[2] == pytest.approx(0.005, rel=1e-5) and errors[3] == pytest.approx(0.05, rel=1e-5)
     assert out["diag/prox_loglinear_safe_lag"] == 2 and out["diag/prox_beyond_safe_frac"] == pytest.approx(1 / 3)
     assert out["diag/lag0_top"][0]["row"] == 0 and out["diag/lag0_big_seq_frac"] == 0.0
+
+
+# -- batching ----------------------------------------------------------------------------------------------------------
+def test_figures_do_not_depend_on_batching(tmp_path: Path) -> None:
+    cfg = fault_config("mask_prompt", 0.3, steps=3, prompts_per_step=4, duplicate=True, shift=1)
+    simulate(cfg, tmp_path)
+    small = diag_figures(tmp_path, batch_tokens=300)
+    large = diag_figures(tmp_path, batch_tokens=1 << 20)
+    assert small["diag/dup_id_extra"] > 0 and small["diag/shift_seq_late_frac"] > 0
+    _close(small, large)
+
+
+# -- detectors on hand-made figures ------------------------------------------------------------------------------------
+_BIG = {"n_valid_tokens": 100_000, "n_sequences": 4000}
+
+
+def test_small_dump_caps_at_info() -> None:
+    fig = {**_BIG, "diag/shift_seq_late_frac": 0.5, "diag/shift_seq_early_frac": 0.0, "diag/shift_n_seq": 100}
+    assert [(f.code, f.severity) for f in detect(fig)] == [("GRP101", "error")]
+    small = {**fig, "n_valid_tokens": 2000, "n_sequences": 40}
+    (finding,) = detect(small)
+    assert finding.severity == "info" and "small dump" in finding.notes[0]
+
+
+def test_few_flagged_sequences_stay_info() -> None:
+    fig = {**_BIG, "diag/shift_seq_late_frac": 0.02, "diag/shift_seq_early_frac": 0.0, "diag/shift_n_seq": 100}
+    (finding,) = detect(fig)  # 2 sequences prefer the shift: below MIN_FLAGGED_SEQUENCES
+    assert finding.code == "GRP101" and finding.severity == "info"
+
+
+def test_confidence_bound_straddling_the_threshold_caps_at_info() -> None:
+    fig = {**_BIG, "diag/onesided_seq_frac": 0.3, "diag/seq_old_minus_new_mean": 0.02}
+    assert detect({**fig, "diag/seq_old_minus_new_ci": 0.005})[0].severity == "warning"
+    (finding,) = detect({**fig, "diag/seq_old_minus_new_ci": 0.015})
+    assert finding.code == "GRP103" and finding.severity == "info" and "interval" in finding.notes[0]
+
+
+def test_thresholds_and_evidence() -> None:
+    (f,) = detect({**_BIG, "groups/zero_std_frac": 0.6})
+    assert (f.code, f.category, f.severity) == ("GRP304", "no-signal", "warning")
+    assert f.evidence == {"groups/zero_std_frac": {"value": 0.6, "threshold": 0.5}}
+    assert detect({**_BIG, "groups/zero_std_frac": 0.2}) == []
+    (f,) = detect({**_BIG, "seq/no_eos_frac": 0.6})
+    assert (f.code, f.severity) == ("GRP402", "error") and "max_completion_length" in f.fix
+    (f,) = detect({**_BIG, "staleness/hist": [{"lag": 0, "n_tokens": 80}, {"lag": 6, "n_tokens": 20}]},
+                  config=DetectConfig(max_staleness=4))
+    assert (f.code, f.severity) == ("GRP204", "warning") and f.where == {"lags": [6]}
+    assert detect({**_BIG, "staleness/hist": [{"lag": 0, "n_tokens": 80}, {"lag": 6, "n_tokens": 20}]},
+                  config=DetectConfig(max_staleness=8)) == []
+
+
+def test_weight_sync_reads_group_by_step_figures() -> None:
+    steps = [{"key": {"step": s}, "metrics": {"by_staleness": [{"lag": 0, "n_tokens": 500,
+                                                                 "abs_diff/mean": 0.01 + 0.01 * s}],
+                                              "staleness/theta_mean": 1.5}} for s in range(6)]
+    (f,) = detect(_BIG, steps)
+    assert (f.code, f.category, f.severity) == ("GRP201", "weight-sync", "error")
+    assert f.where["steps"][0] == 5
+    flat = [{"step": s, "by_staleness": [{"lag": 0, "n_tokens": 500, "abs_diff/mean": 0.01}]} for s in range(6)]
+    assert detect(_BIG, flat) == []
+
+
+def test_findings_are_sorted_and_serialisable() -> None:
+    fig = {**_BIG, "groups/zero_std_frac": 0.9, "seq/no_eos_frac": 0.3, "diag/adv_sign_flip_frac": 0.01,
+           "diag/groups_spread_n": 100, "diag/groups_n": 110}
+    findings = detect(fig)
+    assert [(f.code, f.severity) for f in findings] == [("GRP304", "error"), ("GRP402", "warning"),
+                                                         ("GRP301", "info")]
+    assert all(f.category in CATEGORIES and f.code in CODES and f.title and f.fix for f in findings)
+    assert json.loads(json.dumps([f.to_dict() for f in findings]))[0]["code"] == "GRP304"
+
+
+# -- the corpus: simulated healthy runs and faults ---------------------------------------------------------------------
+_CORPUS = {"prompts_per_step": 12}
+_RATE_CATEGORIES = {"no-signal"}
+"""Categories that are a rate of the run, not a broken worker: 30 % of groups without signal is not "most"."""
+
+
+def _figures_of(cfg: SimConfig, path: Path) -> dict[str, Any]:
+    simulate(cfg, path)
+    fig = existing_figures(path)
+    fig.update(diag_figures(path, batch_tokens=1 << 16))
+    return fig
+
+
+def _config_for(fault: str) -> DetectConfig:
+    return DetectConfig(prox_approximation="loglinear") if fault == "prox_lag" else DetectConfig()
+
+
+@pytest.mark.parametrize("preset", sorted(HEALTHY))
+def test_healthy_presets_give_nothing_above_info(tmp_path: Path, preset: str) -> None:
+    cfg = HEALTHY[preset] if preset == "small" else replace(HEALTHY[preset], **_CORPUS)
+    findings = detect(_figures_of(cfg, tmp_path))
+    assert [(f.code, f.severity) for f in findings if f.severity != "info"] == []
+
+
+def _check_fault(tmp_path: Path, fault: str, frac: float) -> None:
+    category = FAULTS[fault][1]
+    findings = detect(_figures_of(fault_config(fault, frac, **_CORPUS), tmp_path), config=_config_for(fault))
+    found = {f.category: f for f in sorted(findings, key=lambda f: SEVERITIES.index(f.severity))}
+    assert category in found, [(f.code, f.severity) for f in findings]
+    wanted = "info" if (frac < 1 and category in _RATE_CATEGORIES) else "warning"
+    assert SEVERITIES.index(found[category].severity) >= SEVERITIES.index(wanted), found[category]
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_partial_faults_are_found(tmp_path: Path, fault: str) -> None:
+    """A fault in 30 % of the groups (one broken rollout worker) is found."""
+    _check_fault(tmp_path, fault, 0.3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_whole_run_faults_are_found(tmp_path: Path, fault: str) -> None:
+    _check_fault(tmp_path, fault, 1.0)
+
+
+@pytest.mark.parametrize("fault", ["shift_late", "mask_padding", "mismatch", "weight_sync"])
+def test_where_points_at_the_broken_sequences(tmp_path: Path, fault: str) -> None:
+    info = simulate(fault_config(fault, 0.3, **_CORPUS), tmp_path)
+    fig = existing_figures(tmp_path)
+    fig.update(diag_figures(tmp_path, batch_tokens=1 << 16))
+    category = FAULTS[fault][1]
+    (finding,) = [f for f in detect(fig) if f.category == category]
+    located = {(s["file"], s["row"]) for s in finding.where["sequences"]}
+    assert located and located <= info.hit

@@ -58,8 +58,9 @@ CODES: dict[str, tuple[str, str]] = {
 }
 
 # -- thresholds (each documented in docs/findings.md with its reason) -------------------------------------------------
-MIN_TOKENS = 5000
-"""Below this many valid tokens a finding is ``info`` at most: token-level fractions of 1 % rest on < 50 tokens."""
+MIN_TOKENS = 4000
+"""Below this many valid tokens a finding is ``info`` at most: a token fraction of 1 % would rest on < 40 tokens,
+a handful of sequences."""
 MIN_SEQUENCES = 64
 """Below this many sequences a finding is ``info`` at most (sequence fractions move by ≥ 1.5 % per sequence)."""
 MIN_FLAGGED_SEQUENCES = 3
