@@ -347,14 +347,13 @@ def _simulate(cfg: SimConfig, out_dir: str | Path) -> SimInfo:
             resp_len = torch.full((b,), cfg.max_new_tokens)
             alive = torch.ones(b, dtype=torch.bool)
             prev = prompts_seq.gather(1, (p_len_seq - 1)[:, None]).squeeze(1)
+            truncated = [(p, top_p == p) for p in top_p.unique().tolist() if p < 1.0]
             for t in range(cfg.max_new_tokens):
                 logits = _engine_logits(tables, engine_version, prev, t_engine)
                 logits[:, EOS] += eos_penalty
                 keep = torch.ones_like(logits, dtype=torch.bool)
-                for p in top_p.unique().tolist():
-                    rows = top_p == p
-                    if p < 1.0:
-                        keep[rows] = _top_p_keep(logits[rows], p)
+                for p, rows in truncated:
+                    keep[rows] = _top_p_keep(logits[rows], p)
                 gumbel = -torch.log(-torch.log(torch.rand(logits.shape, generator=gen).clamp_min(1e-20)))
                 choice = torch.where(keep, logits + gumbel, torch.tensor(-torch.inf)).argmax(1)
                 choice = torch.where(alive, choice, torch.zeros_like(choice))
@@ -367,9 +366,11 @@ def _simulate(cfg: SimConfig, out_dir: str | Path) -> SimInfo:
                     break
             eos = (resp_len < cfg.max_new_tokens) | (resp.gather(1, (resp_len - 1)[:, None]).squeeze(1) == EOS)
             lengths = p_len_seq + resp_len
-            for i in range(b):  # place the response right after the prompt
-                pl = int(p_len_seq[i])
-                tokens[i, pl:pl + int(resp_len[i])] = resp[i, : int(resp_len[i])]
+            # place each response right after its prompt
+            j = torch.arange(cfg.max_new_tokens)
+            placed = j[None, :] < resp_len[:, None]
+            seq_idx = torch.arange(b)[:, None].expand(-1, cfg.max_new_tokens)
+            tokens[seq_idx[placed], (p_len_seq[:, None] + j[None, :])[placed]] = resp[placed]
             width = int(lengths.max())
             tokens = tokens[:, :width]
             pos = torch.arange(width)

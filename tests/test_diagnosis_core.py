@@ -427,11 +427,24 @@ _RATE_CATEGORIES = {"no-signal"}
 """Categories that are a rate of the run, not a broken worker: 30 % of groups without signal is not "most"."""
 
 
+_CACHE: dict[tuple[str, float], tuple[dict[str, Any], frozenset[tuple[int, int]]]] = {}
+
+
 def _figures_of(cfg: SimConfig, path: Path) -> dict[str, Any]:
     simulate(cfg, path)
     fig = existing_figures(path)
     fig.update(diag_figures(path, batch_tokens=1 << 16))
     return fig
+
+
+def _fault_figures(fault: str, frac: float, path: Path) -> tuple[dict[str, Any], frozenset[tuple[int, int]]]:
+    """Figures and hit sequences of a simulated fault, computed once per session."""
+    if (fault, frac) not in _CACHE:
+        info = simulate(fault_config(fault, frac, **_CORPUS), path)
+        fig = existing_figures(path)
+        fig.update(diag_figures(path, batch_tokens=1 << 16))
+        _CACHE[(fault, frac)] = (fig, info.hit)
+    return _CACHE[(fault, frac)]
 
 
 def _config_for(fault: str) -> DetectConfig:
@@ -447,7 +460,7 @@ def test_healthy_presets_give_nothing_above_info(tmp_path: Path, preset: str) ->
 
 def _check_fault(tmp_path: Path, fault: str, frac: float) -> None:
     category = FAULTS[fault][1]
-    findings = detect(_figures_of(fault_config(fault, frac, **_CORPUS), tmp_path), config=_config_for(fault))
+    findings = detect(_fault_figures(fault, frac, tmp_path)[0], config=_config_for(fault))
     found = {f.category: f for f in sorted(findings, key=lambda f: SEVERITIES.index(f.severity))}
     assert category in found, [(f.code, f.severity) for f in findings]
     wanted = "info" if (frac < 1 and category in _RATE_CATEGORIES) else "warning"
@@ -468,10 +481,8 @@ def test_whole_run_faults_are_found(tmp_path: Path, fault: str) -> None:
 
 @pytest.mark.parametrize("fault", ["shift_late", "mask_padding", "mismatch", "weight_sync"])
 def test_where_points_at_the_broken_sequences(tmp_path: Path, fault: str) -> None:
-    info = simulate(fault_config(fault, 0.3, **_CORPUS), tmp_path)
-    fig = existing_figures(tmp_path)
-    fig.update(diag_figures(tmp_path, batch_tokens=1 << 16))
+    fig, hit = _fault_figures(fault, 0.3, tmp_path)
     category = FAULTS[fault][1]
     (finding,) = [f for f in detect(fig) if f.category == category]
     located = {(s["file"], s["row"]) for s in finding.where["sequences"]}
-    assert located and located <= info.hit
+    assert located and located <= hit
