@@ -99,6 +99,8 @@ class SimConfig:
         heavy_tail_frac: fraction of the hit sequences' response tokens whose engine log-prob is lowered by the
             magnitude of a heavy-tailed (Student-t-like, ν = 1.5) draw of scale 1: w = exp(new − old) gets a heavy
             upper tail, as low-probability tokens do under kernel mismatch.
+        stale_lags: the hit groups draw their lag from this inclusive range instead of ``lags`` (a rollout worker
+            far behind the trainer).
     """
 
     seed: int = 0
@@ -131,6 +133,7 @@ class SimConfig:
     truncation: bool = False
     update_scale: float = 1.0
     heavy_tail_frac: float = 0.0
+    stale_lags: tuple[int, int] | None = None
     metadata: dict[str, object] = field(default_factory=dict)
 
 
@@ -200,8 +203,8 @@ FAULTS: dict[str, tuple[dict[str, object], str]] = {
     "truncation": ({"truncation": True}, "length-truncation"),
     "clipping": ({"update_scale": 12.0}, "clipping"),
     "heavy_tails": ({"heavy_tail_frac": 0.05}, "importance-weights"),
-    "staleness": ({"lags": (0, 12)}, "staleness"),
-    "prox_lag": ({"lags": (0, 12), "drift": 0.1}, "prox-approximation"),
+    "staleness": ({"stale_lags": (5, 12)}, "staleness"),
+    "prox_lag": ({"stale_lags": (4, 12), "drift": 0.1}, "prox-approximation"),
 }
 
 
@@ -298,7 +301,7 @@ def simulate(cfg: SimConfig, out_dir: str | Path) -> SimInfo:
 def _simulate(cfg: SimConfig, out_dir: str | Path) -> SimInfo:
     gen = torch.Generator().manual_seed(cfg.seed)
     lo, hi = cfg.lags
-    offset = max(hi, 1)
+    offset = max(hi, 1, cfg.stale_lags[1] if cfg.stale_lags else 0)
     n_versions = cfg.steps + offset + 1
     hit_versions = torch.zeros(n_versions, dtype=torch.bool)
     n_hit_versions = round(cfg.fault_frac * cfg.steps)
@@ -318,7 +321,11 @@ def _simulate(cfg: SimConfig, out_dir: str | Path) -> SimInfo:
             b = n_groups * g
             hit_groups = _pick(n_groups, cfg.fault_frac, gen)
             hit_seq = hit_groups.repeat_interleave(g)
-            lag = torch.randint(lo, hi + 1, (n_groups,), generator=gen).repeat_interleave(g)
+            lag = torch.randint(lo, hi + 1, (n_groups,), generator=gen)
+            if cfg.stale_lags is not None:
+                stale = torch.randint(cfg.stale_lags[0], cfg.stale_lags[1] + 1, (n_groups,), generator=gen)
+                lag = torch.where(hit_groups, stale, lag)
+            lag = lag.repeat_interleave(g)
             if cfg.on_policy_exact:
                 lag.zero_()
             behaviour = (current - lag).clamp_min(0)

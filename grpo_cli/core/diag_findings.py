@@ -403,8 +403,8 @@ def _truncated(c: _Ctx) -> list[Finding]:
     fix = (
         "Either score the same truncated distribution in the trainer (slime replays the top-p set with "
         "`--rollout-top-p`), or take behaviour log-probs of the full softmax (vLLM `logprobs_mode=raw_logprobs` "
-        "plus the temperature), or sample without truncation (top_p = 1, top_k = −1). TRL's vLLM "
-        "importance-sampling ratio is biased by the kept mass under top-p/top-k (huggingface/trl#6789)."
+        "plus the temperature), or sample without truncation (top_p = 1, top_k = −1). An importance ratio against "
+        "renormalised log-probs is offset by log(kept mass) on every token."
     )
     return [Finding("GRP103", "truncated-sampling", sev, title, ev,
                     {"sequences": _sequences(f.get("diag/old_minus_new_top"))}, fix, notes)]
