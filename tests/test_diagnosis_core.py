@@ -486,3 +486,12 @@ def test_where_points_at_the_broken_sequences(tmp_path: Path, fault: str) -> Non
     (finding,) = [f for f in detect(fig) if f.category == category]
     located = {(s["file"], s["row"]) for s in finding.where["sequences"]}
     assert located and located <= hit
+
+
+def test_mismatch_from_analyze_keys_alone() -> None:
+    lag0 = {"by_staleness": [{"lag": 0, "n_tokens": 1000, "abs_diff/mean": 0.1}, {"lag": 1, "n_tokens": 10}]}
+    (f,) = detect({**_BIG, **lag0})
+    assert (f.code, f.severity) == ("GRP202", "warning")  # exp(0.1) = 1.105: a lower bound of mean exp(|Δ|)
+    assert f.evidence["exp(by_staleness[lag 0].abs_diff/mean)"]["value"] == pytest.approx(math.exp(0.1))
+    (f,) = detect({**_BIG, "kl/abs_diff_mean": 0.1})
+    assert (f.code, f.severity) == ("GRP202", "info") and "staleness" in f.notes[0]

@@ -322,7 +322,7 @@ def _alignment(c: _Ctx) -> list[Finding]:
     if flagged < MIN_FLAGGED_SEQUENCES:
         sev = _cap(sev, notes, f"only {flagged} sequences prefer the shift")
     word = "late" if side > 0 else "early"
-    title = f"old_logp looks one token {word} against new_logp in {frac:.0%} of sequences"
+    title = f"old_logp looks one token {word} against new_logp in {frac:.1%} of sequences"
     ev = {
         f"diag/shift_seq_{word}_frac": _ev(frac, SHIFT_SEQ_WARNING),
         "diag/shift_abs_diff_0": _ev(_num(f, "diag/shift_abs_diff_0"), None),
@@ -627,7 +627,16 @@ def _mismatch(c: _Ctx) -> list[Finding]:
     n_seq0 = _num(f, "diag/lag0_n_seq") or 0
     notes: list[str] = []
     ev: dict[str, dict[str, Any]] = {}
-    if mult is None:
+    lag0_rows = [r for r in f.get("by_staleness") or [] if r.get("lag") == 0 and r.get("abs_diff/mean") is not None]
+    if mult is None and lag0_rows:
+        # analyze's lag-0 row gives mean |Δ|; exp(mean |Δ|) ≤ mean exp(|Δ|) (Jensen), a lower bound of the error
+        bound = math.exp(float(lag0_rows[0]["abs_diff/mean"]))
+        sev = _grade(bound, MULT_ERROR_WARNING, MULT_ERROR_ERROR)
+        if sev is None:
+            return []
+        ev["exp(by_staleness[lag 0].abs_diff/mean)"] = _ev(bound, MULT_ERROR_WARNING, note="lower bound")
+        title = f"train/inference disagreement at lag 0 is above bf16 level: exp(mean |new − old|) = {bound:.3f}"
+    elif mult is None:
         d = _num(f, "kl/abs_diff_mean")
         if d is None or math.exp(d) < MULT_ERROR_WARNING:
             return []
