@@ -37,9 +37,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.diag_findings import DetectConfig, Finding, detect
 from grpo_cli.core.keyed_state import KeyedState
 from grpo_cli.core.packing import lengths_from_cu_seqlens, segment_ids
+from grpo_cli.core.prox import broadcast_current_version
 from grpo_cli.core.state import MetricState, Reduce, count, maximum, top_rows, total
 
 __all__ = [
@@ -1040,9 +1042,21 @@ def diagnosis_state(device: torch.device | str | None = None, top_k: int = 8) ->
     }
 
 
-def diagnosis_update(states: dict[str, MetricState], batch: Any) -> None:
+def diagnosis_update(
+    states: dict[str, MetricState],
+    batch: TokenBatch,
+    *,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+) -> None:
     """Fold one :class:`~grpo_cli.core.batch.TokenBatch` (whole sequences, boolean ``loss_mask``) into ``states``,
-    running each family whose columns the batch has."""
+    running each family whose columns the batch has.
+
+    Args:
+        states: from :func:`diagnosis_state`.
+        batch: whole sequences with every column the dump has.
+        epsilon, epsilon_high: the clip range of the per-step clip fraction (``--epsilon``, ``--epsilon-high``).
+    """
     rows, fi = batch.rows, batch.file_index
     cu = batch.cu_seqlens
     step = batch.step
@@ -1061,8 +1075,6 @@ def diagnosis_update(states: dict[str, MetricState], batch: Any) -> None:
                                                  "ref": v.ref_logp})
     lag = None
     if v.versions is not None and v.current_version is not None:
-        from grpo_cli.core.prox import broadcast_current_version
-
         current = broadcast_current_version(v.current_version, v.versions, cu_seqlens=vcu)
         lag = torch.where(v.versions >= 0, current.to(torch.int64) - v.versions.to(torch.int64), -1)
     if v.old_logp is not None:
@@ -1077,7 +1089,8 @@ def diagnosis_update(states: dict[str, MetricState], batch: Any) -> None:
     if step is not None:
         base = v.prox_logp if v.prox_logp is not None else v.old_logp
         by_step_update(states["by_step"], step=step, new_logp=v.new_logp, cu_seqlens=vcu, old_logp=v.old_logp,
-                       entropy=v.entropy, lag=lag, eos=v.eos, advantages=v.advantages, base_logp=base)
+                       entropy=v.entropy, lag=lag, eos=v.eos, advantages=v.advantages, base_logp=base,
+                       epsilon=epsilon, epsilon_high=epsilon_high)
 
 
 def diagnosis_compute(states: dict[str, MetricState]) -> dict[str, Any]:
