@@ -253,7 +253,12 @@ def _series(fig: Mapping[str, Any], steps: list[dict[str, Any]], diag_key: str, 
     for r in fig.get("diag/by_step") or []:
         v = r.get(diag_key)
         if v is not None and math.isfinite(v):
-            w = r.get("lag0_n_tokens") if diag_key.startswith("lag0") else r.get("n_tokens", 1)
+            if diag_key.startswith("lag0"):
+                w = r.get("lag0_n_tokens")
+            elif diag_key == "no_eos_frac":
+                w = r.get("n_sequences")
+            else:
+                w = r.get("n_tokens", 1)
             out.append((int(r["step"]), float(v), float(w or 1)))
     if out or existing is None:
         return out

@@ -405,14 +405,12 @@ def zeros_update(
         gap = valid & (_float(old) == 0) & (new < -ZERO_GAP)
         state.update(n_old_zero_new_not=gap.sum())
         suspect |= gap
-    # trailing zero runs: walk back from each sequence's last valid token (a reverse cumulative product per sequence)
-    lengths = lengths_from_cu_seqlens(cu_seqlens).to(device)
+    # trailing zero runs: the valid zero tokens after a sequence's last valid non-zero token
     n_valid_seq = torch.zeros(n_seq, dtype=torch.int64, device=device).index_add_(0, seq, valid.to(torch.int64))
     idx = torch.arange(n, device=device)
     last_valid = torch.full((n_seq,), -1, dtype=torch.int64, device=device).scatter_reduce(
         0, seq, torch.where(valid, idx, -1), reduce="amax"
     )
-    # a "breaker" is a valid token that is not an exact zero; the run = valid zero tokens after the last breaker
     breaker = valid & ~zero_all
     last_breaker = torch.full((n_seq,), -1, dtype=torch.int64, device=device).scatter_reduce(
         0, seq, torch.where(breaker, idx, -1), reduce="amax"
@@ -445,7 +443,6 @@ def zeros_update(
     flagged = per_seq > 0
     state.update(n_seq_suspect=flagged.sum())
     file, row = _locations(file_index, rows, n_seq, device)
-    del lengths
     state.update(top=_top_table(per_seq.to(torch.float64), flagged, file, row, step, n_valid_seq))
 
 
