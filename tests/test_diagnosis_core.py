@@ -479,7 +479,10 @@ def test_whole_run_faults_are_found(tmp_path: Path, fault: str) -> None:
     _check_fault(tmp_path, fault, 1.0)
 
 
-@pytest.mark.parametrize("fault", ["shift_late", "mask_padding", "mismatch", "weight_sync"])
+@pytest.mark.parametrize(
+    "fault", ["shift_late", "shift_early", "mask_padding", "mask_prompt", "mask_missing", "mismatch", "weight_sync",
+              "top_p", "temperature"]
+)
 def test_where_points_at_the_broken_sequences(tmp_path: Path, fault: str) -> None:
     fig, hit = _fault_figures(fault, 0.3, tmp_path)
     category = FAULTS[fault][1]
