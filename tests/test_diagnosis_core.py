@@ -498,3 +498,25 @@ def test_mismatch_from_analyze_keys_alone() -> None:
     assert f.evidence["exp(by_staleness[lag 0].abs_diff/mean)"]["value"] == pytest.approx(math.exp(0.1))
     (f,) = detect({**_BIG, "kl/abs_diff_mean": 0.1})
     assert (f.code, f.severity) == ("GRP202", "info") and "staleness" in f.notes[0]
+
+
+def test_by_step_lag_table_and_policy_drift() -> None:
+    new = torch.tensor([-1.0] * 10)
+    old = torch.tensor([-1.125] * 4 + [-1.375] * 4 + [-1.5] * 2)  # |Δ| 0.125 (A), 0.375 (B), 0.5 (C)
+    lag = torch.tensor([1] * 8 + [0] * 2)
+    state = by_step_state()
+    by_step_update(state, step=torch.tensor([4, 4, 4]), new_logp=new, cu_seqlens=_cu(4, 4, 2), old_logp=old,
+                   lag=lag, prox_logp=new - 0.25)
+    half = by_step_state()
+    by_step_update(half, step=torch.tensor([4]), new_logp=new[8:], cu_seqlens=_cu(2), old_logp=old[8:],
+                   lag=lag[8:], prox_logp=new[8:] - 0.25)
+    rest = by_step_state()
+    by_step_update(rest, step=torch.tensor([4, 4]), new_logp=new[:8], cu_seqlens=_cu(4, 4), old_logp=old[:8],
+                   lag=lag[:8], prox_logp=new[:8] - 0.25)
+    for s in (state, half.merge(rest)):
+        out = by_step_compute(s)
+        assert out["diag/by_step"][0]["prox_abs_diff_mean"] == 0.25
+        assert out["diag/by_step_lag"] == [
+            {"step": 4, "lag": 0, "n_tokens": 2, "abs_diff_mean": 0.5, "seq_max": None},  # C: < 4 tokens
+            {"step": 4, "lag": 1, "n_tokens": 8, "abs_diff_mean": 0.25, "seq_max": 0.375},
+        ]
