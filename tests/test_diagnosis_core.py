@@ -520,3 +520,17 @@ def test_by_step_lag_table_and_policy_drift() -> None:
             {"step": 4, "lag": 0, "n_tokens": 2, "abs_diff_mean": 0.5, "seq_max": None},  # C: < 4 tokens
             {"step": 4, "lag": 1, "n_tokens": 8, "abs_diff_mean": 0.25, "seq_max": 0.375},
         ]
+
+
+def test_every_code_has_a_regular_docs_section() -> None:
+    """``grpo-cli explain CODE`` prints the section of docs/findings.md: one per code, in the regular structure."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "findings.md").read_text(encoding="utf-8")
+    sections = {s.split()[0]: s for s in text.split("\n## ")[1:] if s.startswith("GRP")}
+    assert sorted(sections) == sorted(CODES)
+    parts = ("**Category**:", "**Severity**:", "### What it means", "### Why it matters", "### How it is detected",
+             "### How to fix")
+    for code, (category, _) in CODES.items():
+        section = sections[code]
+        positions = [section.find(p) for p in parts]
+        assert min(positions) >= 0 and positions == sorted(positions), code
+        assert f"**Category**: `{category}`" in section, code
