@@ -663,7 +663,8 @@ def groups_update(
             still belongs to its group's statistics).
         loss_mask: ``[N]`` bool.
         cu_seqlens: ``[B + 1]`` offsets.
-        group_id: ``[B]`` group ids; the key is (step, group_id) when ``step`` is given.
+        group_id: ``[B]`` group ids; the key is (step, group_id) when ``step`` is given, stored as
+            ``step·2³² + group_id`` in float64 (exact for steps below 2²¹ and ids in [0, 2³²)).
         step: ``[B]`` steps, or ``None``.
 
     Sequences with a non-finite reward or advantage are left out. The float sums are float64 and merge by
