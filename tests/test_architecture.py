@@ -7,7 +7,8 @@ Every import counts: module level, inside functions and under ``TYPE_CHECKING``.
 1. ``grpo_cli.core`` — pure torch;
 2. ``grpo_cli.io`` — Parquet in and out;
 3. ``grpo_cli.engine`` — the streaming run;
-4. ``grpo_cli.metrics`` — the metric groups and their declared figures;
+4. ``grpo_cli.metrics``, ``grpo_cli.findings`` — the metric groups and their declared figures; the detectors that
+   turn figures into findings;
 5. ``grpo_cli.commands``, ``grpo_cli.integrations`` — commands (results, no printing), trainer hooks;
 6. ``grpo_cli.render`` — every output;
 7. ``grpo_cli.cli``, ``grpo_cli.__main__`` — the command line.
@@ -31,6 +32,7 @@ LAYERS = {
     "grpo_cli.io": 2,
     "grpo_cli.engine": 3,
     "grpo_cli.metrics": 4,
+    "grpo_cli.findings": 4,
     "grpo_cli.commands": 5,
     "grpo_cli.integrations": 5,
     "grpo_cli.render": 6,

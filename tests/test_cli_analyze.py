@@ -83,13 +83,13 @@ def test_missing_inputs_are_omitted_with_reasons(capsys, tmp_path):
     assert code == 0
     assert "kl/k3" not in doc["metrics"] and "clip/ratio" not in doc["metrics"]
     assert "old_logp" in doc["omitted"]["kl/k3"]
-    code, out, _ = run(capsys, "analyze", path)
+    code, out, _ = run(capsys, "analyze", path, "--all")
     assert "Not computed" in out and "needs an 'entropy' column" in out
 
 
 def test_table_and_csv(capsys, dump, tmp_path):
     path, _ = dump
-    code, out, _ = run(capsys, "analyze", path)
+    code, out, _ = run(capsys, "analyze", path, "--all")
     assert code == 0 and "clip/ratio" in out and "Highest-KL tokens" in out
     code, out, _ = run(capsys, "analyze", path, "-f", "csv")
     rows = list(csv.reader(io.StringIO(out)))

@@ -1,19 +1,17 @@
-"""Tests of the findings statistics (``grpo_cli.core.diagnosis``) and detectors (``grpo_cli.core.diag_findings``)."""
+"""Tests of the findings statistics (``grpo_cli.core.diagnosis``) and detectors (``grpo_cli.findings.detect``)."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import math
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from simulate import FAULTS, HEALTHY, SimConfig, fault_config, simulate
+from simulate import fault_config, simulate
 
-from grpo_cli.core.diag_findings import CATEGORIES, CODES, SEVERITIES, DetectConfig, detect
 from grpo_cli.core.diagnosis import (
     by_step_compute,
     by_step_state,
@@ -45,6 +43,7 @@ from grpo_cli.core.diagnosis import (
     zeros_update,
 )
 from grpo_cli.core.packing import segment_ids
+from grpo_cli.findings.detect import CATEGORIES, CODES, DetectConfig, detect
 from grpo_cli.io import RolloutDataset
 
 
@@ -419,76 +418,6 @@ def test_findings_are_sorted_and_serialisable() -> None:
                                                          ("GRP301", "info")]
     assert all(f.category in CATEGORIES and f.code in CODES and f.title and f.fix for f in findings)
     assert json.loads(json.dumps([f.to_dict() for f in findings]))[0]["code"] == "GRP304"
-
-
-# -- the corpus: simulated healthy runs and faults ---------------------------------------------------------------------
-_CORPUS = {"prompts_per_step": 12}
-_RATE_CATEGORIES = {"no-signal"}
-"""Categories that are a rate of the run, not a broken worker: 30 % of groups without signal is not "most"."""
-
-
-_CACHE: dict[tuple[str, float], tuple[dict[str, Any], frozenset[tuple[int, int]]]] = {}
-
-
-def _figures_of(cfg: SimConfig, path: Path) -> dict[str, Any]:
-    simulate(cfg, path)
-    fig = existing_figures(path)
-    fig.update(diag_figures(path, batch_tokens=1 << 16))
-    return fig
-
-
-def _fault_figures(fault: str, frac: float, path: Path) -> tuple[dict[str, Any], frozenset[tuple[int, int]]]:
-    """Figures and hit sequences of a simulated fault, computed once per session."""
-    if (fault, frac) not in _CACHE:
-        info = simulate(fault_config(fault, frac, **_CORPUS), path)
-        fig = existing_figures(path)
-        fig.update(diag_figures(path, batch_tokens=1 << 16))
-        _CACHE[(fault, frac)] = (fig, info.hit)
-    return _CACHE[(fault, frac)]
-
-
-def _config_for(fault: str) -> DetectConfig:
-    return DetectConfig(prox_approximation="loglinear") if fault == "prox_lag" else DetectConfig()
-
-
-@pytest.mark.parametrize("preset", sorted(HEALTHY))
-def test_healthy_presets_give_nothing_above_info(tmp_path: Path, preset: str) -> None:
-    cfg = HEALTHY[preset] if preset == "small" else replace(HEALTHY[preset], **_CORPUS)
-    findings = detect(_figures_of(cfg, tmp_path))
-    assert [(f.code, f.severity) for f in findings if f.severity != "info"] == []
-
-
-def _check_fault(tmp_path: Path, fault: str, frac: float) -> None:
-    category = FAULTS[fault][1]
-    findings = detect(_fault_figures(fault, frac, tmp_path)[0], config=_config_for(fault))
-    found = {f.category: f for f in sorted(findings, key=lambda f: SEVERITIES.index(f.severity))}
-    assert category in found, [(f.code, f.severity) for f in findings]
-    wanted = "info" if (frac < 1 and category in _RATE_CATEGORIES) else "warning"
-    assert SEVERITIES.index(found[category].severity) >= SEVERITIES.index(wanted), found[category]
-
-
-@pytest.mark.parametrize("fault", sorted(FAULTS))
-def test_partial_faults_are_found(tmp_path: Path, fault: str) -> None:
-    """A fault in 30 % of the groups (one broken rollout worker) is found."""
-    _check_fault(tmp_path, fault, 0.3)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("fault", sorted(FAULTS))
-def test_whole_run_faults_are_found(tmp_path: Path, fault: str) -> None:
-    _check_fault(tmp_path, fault, 1.0)
-
-
-@pytest.mark.parametrize(
-    "fault", ["shift_late", "shift_early", "mask_padding", "mask_prompt", "mask_missing", "mismatch", "weight_sync",
-              "top_p", "temperature"]
-)
-def test_where_points_at_the_broken_sequences(tmp_path: Path, fault: str) -> None:
-    fig, hit = _fault_figures(fault, 0.3, tmp_path)
-    category = FAULTS[fault][1]
-    (finding,) = [f for f in detect(fig) if f.category == category]
-    located = {(s["file"], s["row"]) for s in finding.where["sequences"]}
-    assert located and located <= hit
 
 
 def test_mismatch_from_analyze_keys_alone() -> None:

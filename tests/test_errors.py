@@ -356,7 +356,7 @@ def test_skip_counts_appear_in_table_and_csv(capsys, tmp_path):
     data = seqs()
     _nan_old(data[2])
     path = _write(tmp_path, "d.parquet", data)
-    code, out, err = run(capsys, "analyze", path, "--on-invalid", "skip")
+    code, out, err = run(capsys, "analyze", path, "--on-invalid", "skip", "--all")
     assert code == 0 and "invalid/n_sequences_skipped" in out and "invalid/old_logp_not_finite" in out
     assert "skipped 1 of 12" in err
     code, out, _ = run(capsys, "analyze", path, "--on-invalid", "skip", "-f", "csv")

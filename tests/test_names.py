@@ -140,7 +140,7 @@ def test_sign_conventions_against_a_reference(capsys, dump):
 
 def test_names_table_group_by_and_csv(capsys, dump):
     path, _ = dump
-    code = main(["analyze", str(path), "--names", "areal", "--group-by", "step"])
+    code = main(["analyze", str(path), "--names", "areal", "--group-by", "step", "--all"])
     out, _ = capsys.readouterr()
     assert code == 0
     assert "ppo_actor/update/importance_weight/max" in out and "ratio/max:" in out  # label + grpo-cli key

@@ -183,7 +183,7 @@ def test_spikes_are_counted_and_lead_top_kl(capsys, tmp_path):
 
 
 def test_table_shows_histograms_and_the_cross_tab(capsys, dump):
-    code, out, _ = run(capsys, "analyze", dump[0])
+    code, out, _ = run(capsys, "analyze", dump[0], "--all")
     assert code == 0
     assert "Distributions" in out and "ratio/hist" in out and "abs_diff/hist" in out and "staleness/hist" in out
     assert "By staleness" in out and "is/ess" in out and "kl_ref/k3" in out

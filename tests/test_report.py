@@ -24,7 +24,7 @@ SECTION_IDS = ("summary", "verdicts", "verdict-sanity", "key-figures", "checks",
                "distributions", "staleness", "top-kl", "top-kl-table", "figures", "not-computed", "config",
                "report-data")
 CHART_IDS = ("fig-trend-clip", "fig-trend-kl", "fig-trend-is-ess", "fig-trend-is-chi2", "fig-trend-staleness",
-             "fig-trend-loss", "fig-hist-ratio", "fig-hist-abs-diff", "fig-heat-staleness", "fig-prox-lag")
+             "fig-trend-loss", "fig-trend-entropy", "fig-hist-ratio", "fig-hist-abs-diff", "fig-heat-staleness", "fig-prox-lag")
 DATA = re.compile(r'<script type="application/json" id="report-data">(.*?)</script>', re.S)
 
 RULES = """
@@ -253,7 +253,7 @@ def test_without_steps_or_compare_prox(capsys, tmp_path):
     assert parser.errors == [] and {i for i, n in parser.ids.items() if n > 1} == set()
     for chart in CHART_IDS:
         assert f'id="{chart}-figure"' in html, chart
-    assert html.count("Not shown: the dump has no &#39;step&#39; column") == 6  # every trend chart says why
+    assert html.count("Not shown: the dump has no &#39;step&#39; column") == 7  # every trend chart says why
     assert "Not shown: compare-prox cannot run on this dump: compare-prox cannot run without it: the recomputed" in html
     assert '<svg id="fig-hist-ratio"' in html and '<svg id="fig-heat-staleness"' in html
     data = data_of(html)

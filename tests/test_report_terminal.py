@@ -126,7 +126,7 @@ def test_distribution_bars_snapshot():
 def test_analyze_group_by_prints_trends_plain(capsys, tmp_path):
     path = tmp_path / "d.parquet"
     write_sequences(str(path), random_sequences(40, seed=3, with_prox=True))
-    code = main(["analyze", str(path), "--group-by", "step", "--metrics", "kl/k3,clip/ratio"])
+    code = main(["analyze", str(path), "--group-by", "step", "--metrics", "kl/k3,clip/ratio", "--all"])
     out, _ = capsys.readouterr()
     assert code == 0
     assert "\x1b[" not in out  # not a terminal: no escape codes

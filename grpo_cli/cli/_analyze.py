@@ -18,11 +18,13 @@ from grpo_cli.cli._options import (
     FormatOpt,
     ImportanceLevelOpt,
     MapOpt,
+    MaxStalenessOpt,
     NamesOpt,
     OnInvalidOpt,
     OutputOpt,
     PathsArg,
     PresetOpt,
+    ProxApproximationOpt,
     QuietOpt,
     RsActionOpt,
     RsAggOpt,
@@ -118,11 +120,18 @@ def analyze(
     names: NamesOpt = "grpo-cli",
     workers: WorkersOpt = None,
     quiet: QuietOpt = False,
+    all_tables: Annotated[
+        bool, typer.Option("--all", help="Show every figure's table after the findings (default: the headline ones).")
+    ] = False,
+    max_staleness: MaxStalenessOpt = 4,
+    prox_approximation: ProxApproximationOpt = None,
 ) -> None:
-    """Every diagnostic of a rollout dump, streamed in one pass."""
+    """Every diagnostic of a rollout dump, streamed in one pass, and what is wrong with the run (findings)."""
     from grpo_cli.commands.analyze import AnalyzeConfig
     from grpo_cli.commands.analyze import analyze as run_analysis
+    from grpo_cli.findings import DetectConfig
     from grpo_cli.render.documents import analyze_document, to_csv
+    from grpo_cli.render.findings import render_findings, render_headline
     from grpo_cli.render.tables import render_group_table, render_table
 
     config = config_from(
@@ -133,8 +142,10 @@ def analyze(
     for note in config.ppo_notes():
         typer.echo(f"grpo-cli: warning: {note}", err=True)
     dataset = open_input(paths, column_map, preset)
+    detect = DetectConfig(max_staleness=max_staleness, prox_approximation=prox_approximation)
     with progress_bar(dataset.n_tokens, quiet) as progress:
-        result = run_analysis(dataset, config, progress=progress, workers=resolve_workers(workers, device))
+        result = run_analysis(dataset, config, progress=progress, workers=resolve_workers(workers, device),
+                              findings=detect)
     warn_skipped(result.metrics)
     from grpo_cli.metrics.names import rename_result
 
@@ -144,6 +155,13 @@ def analyze(
     ])
 
     def draw(console: Console) -> None:
+        render_findings(console, result.findings, n_tokens=int(result.metrics.get("n_tokens", 0)),
+                        inputs=result.inputs)
+        if not all_tables:
+            render_headline(console, result.metrics, labels)
+            if group_by is not None:
+                render_group_table(console, group_by, result.groups, selected)
+            return
         render_table(console, title="grpo-cli analyze", metrics=result.metrics, omitted=result.omitted,
                      inputs=result.inputs, config=result.config, sources=labels)
         if group_by is not None:
@@ -153,7 +171,8 @@ def analyze(
         output_format,
         output,
         document=lambda: analyze_document(result, preset=preset),
-        csv=lambda: to_csv(result.metrics, groups=result.groups if group_by is not None else None),
+        csv=lambda: to_csv(result.metrics, groups=result.groups if group_by is not None else None,
+                           findings=result.findings),
         table=draw,
     )
 

@@ -27,7 +27,7 @@ from grpo_cli.cli._options import (
 )
 from grpo_cli.errors import UsageError
 
-__all__ = ["advantages", "convert", "sample", "schema"]
+__all__ = ["advantages", "convert", "explain", "sample", "schema"]
 
 
 @app.command()
@@ -235,3 +235,13 @@ def sample(
         raise UsageError(f"{out}: cannot write ({exc.strerror or exc})") from None
     if not quiet:
         typer.echo(f"wrote {out}", err=True)
+
+
+@app.command()
+def explain(
+    code: Annotated[str, typer.Argument(metavar="CODE", help="A finding's code, e.g. GRP101.")],
+) -> None:
+    """What a finding means, why it matters, how it is detected and how to fix it (docs/findings.md)."""
+    from grpo_cli.findings import explain as explanation
+
+    emit(explanation(code), None)

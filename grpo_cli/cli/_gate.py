@@ -15,9 +15,11 @@ from grpo_cli.cli._options import (
     DeviceOpt,
     EpsilonHighOpt,
     MapOpt,
+    MaxStalenessOpt,
     OutputOpt,
     PathsArg,
     PresetOpt,
+    ProxApproximationOpt,
     QuietOpt,
     check_device,
     emit,
@@ -79,9 +81,20 @@ def check(
     column_map: MapOpt = None,
     preset: PresetOpt = None,
     quiet: QuietOpt = False,
+    select: Annotated[
+        list[str] | None,
+        typer.Option("--select", help="Built-in detectors to run, by code (GRP101), code prefix (GRP1) or category "
+                     "(alignment); repeatable (default: all). `grpo-cli explain CODE` describes each."),
+    ] = None,
+    ignore: Annotated[
+        list[str] | None, typer.Option("--ignore", help="Built-in detectors to leave out (code, prefix or category).")
+    ] = None,
+    max_staleness: MaxStalenessOpt = 4,
+    prox_approximation: ProxApproximationOpt = None,
 ) -> None:
     """Regression gate for CI: exit 0 if every error rule holds, 1 if one is violated, 2 on bad input.
 
+    The built-in detectors (findings, `grpo-cli explain CODE`) always run as rules: an error finding fails the gate.
     Every rule is evaluated (never stopping at the first); a dump without a valid token never passes.
     """
     import os
@@ -90,12 +103,12 @@ def check(
     from grpo_cli.commands.check import RuleSet, analyze_config, load_baseline, load_rules, run_check
     from grpo_cli.commands.check import preset as rule_preset
     from grpo_cli.errors import CheckFailed
+    from grpo_cli.findings import DetectConfig, check_patterns
     from grpo_cli.render.check import check_document, github_commands, junit_xml, markdown_summary, render_check_table
     from grpo_cli.render.documents import dumps_json
 
-    if not rules and rules_preset is None and save_baseline is None:
-        raise UsageError("check needs --rules FILE or --rules-preset sanity (or only --save-baseline PATH to "
-                         "record a baseline)")
+    check_patterns(select or [], "--select")
+    check_patterns(ignore or [], "--ignore")
     rule_set = RuleSet()
     for path in rules or []:
         rule_set = rule_set.merge(load_rules(path))
@@ -118,7 +131,9 @@ def check(
     started = time.perf_counter()
     with progress_bar(dataset.n_tokens, quiet) as progress:
         report = run_check(dataset, rule_set, config, baseline=base, warn_only=warn_only,
-                           require_valid_input=require_valid, progress=progress)
+                           require_valid_input=require_valid, progress=progress,
+                           findings=DetectConfig(max_staleness=max_staleness, prox_approximation=prox_approximation),
+                           select=select or None, ignore=ignore or ())
     elapsed = time.perf_counter() - started
     warn_skipped(report.metrics)
     for note in report.notes:

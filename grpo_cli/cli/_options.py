@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_BATCH_TOKENS",
     "OUTPUT_FORMATS",
+    "MaxStalenessOpt",
+    "ProxApproximationOpt",
     "check_device",
     "config_from",
     "emit",
@@ -130,6 +132,18 @@ RsUpperOpt = Annotated[float | None, typer.Option("--rs-upper", help="Rejection 
 RsLowerOpt = Annotated[float | None, typer.Option("--rs-lower", help="Rejection sampling lower bound.")]
 
 
+
+
+MaxStalenessOpt = Annotated[
+    int,
+    typer.Option("--max-staleness", help="Findings: the largest lag the run's correction is meant for (TRL "
+                 "max_staleness, AReaL max_head_offpolicyness); more is flagged as staleness."),
+]
+ProxApproximationOpt = Annotated[
+    str | None,
+    typer.Option("--prox-approximation", **one_of("loglinear", "linear"),
+                 help="Findings: the run approximates the proximal policy (AReaL prox_logp_method) this way."),
+]
 
 
 @contextlib.contextmanager

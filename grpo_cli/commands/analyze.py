@@ -1,4 +1,4 @@
-"""``grpo-cli analyze``: every figure of a dump in one streaming pass."""
+"""``grpo-cli analyze``: every figure of a dump in one streaming pass, and the findings they support."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ from collections.abc import Callable, Sequence
 
 from grpo_cli.engine.group import MetricGroup
 from grpo_cli.engine.run import AnalysisResult, run
+from grpo_cli.findings import DetectConfig, diagnose
 from grpo_cli.io.reader import RolloutDataset
 from grpo_cli.metrics import AnalyzeConfig, default_groups
+from grpo_cli.metrics.diagnosis import diagnosis_groups
 
 __all__ = ["AnalysisResult", "AnalyzeConfig", "analyze"]
 
@@ -19,9 +21,11 @@ def analyze(
     groups: Sequence[MetricGroup] | None = None,
     progress: Callable[[int], None] | None = None,
     workers: int = 1,
+    findings: DetectConfig | None = None,
 ) -> AnalysisResult:
     """Run every metric group (default: :func:`~grpo_cli.metrics.default_groups`) over the whole dataset in one
-    streaming pass; see :func:`grpo_cli.engine.run.run`.
+    streaming pass (see :func:`grpo_cli.engine.run.run`); with ``findings`` (what the run corrects for), also the
+    findings-only statistics and the findings they support (``result.findings``).
 
     Example:
         >>> from grpo_cli import AnalyzeConfig, RolloutDataset, analyze
@@ -30,4 +34,9 @@ def analyze(
         0.0257
     """
     groups = default_groups() if groups is None else list(groups)
-    return run(dataset, groups, config, progress=progress, workers=workers)
+    if findings is not None:
+        groups = [*groups, *diagnosis_groups()]
+    result = run(dataset, groups, config, progress=progress, workers=workers)
+    if findings is not None:
+        result.findings = diagnose(result.metrics, result.evidence, findings)
+    return result

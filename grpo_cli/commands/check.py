@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any
 
 from grpo_cli.engine.config import GROUP_BY_COLUMNS as PER_COLUMNS  # the columns `analyze --group-by` accepts
 from grpo_cli.errors import EXIT_CHECK_FAILED, EXIT_OK, InputError, UsageError
+from grpo_cli.findings import CODES, SEVERITIES, DetectConfig
+from grpo_cli.findings import select as select_findings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "compare_prox_config",
+    "finding_results",
     "validate_rules",
     "BOUND_KEYS",
     "PER_COLUMNS",
@@ -732,6 +735,8 @@ class CheckReport:
     warn_only: bool = False
     notes: list[str] = field(default_factory=list)
     """Warnings for stderr (e.g. the baseline was computed with other options)."""
+    findings: list[dict[str, Any]] = field(default_factory=list)
+    """The findings the built-in detector rules saw (after ``--select``/``--ignore``), most severe first."""
 
     def count(self, status: Status) -> int:
         return sum(result.status is status for result in self.results)
@@ -858,10 +863,16 @@ def run_check(
     warn_only: bool = False,
     require_valid_input: bool = False,
     progress: Callable[[int], None] | None = None,
+    findings: DetectConfig | None = None,
+    select: Sequence[str] | None = None,
+    ignore: Sequence[str] = (),
 ) -> CheckReport:
-    """Compute the figures the rules need and evaluate every rule.
+    """Compute the figures the rules need, evaluate every rule and run the detectors as built-in rules.
 
-    ``require_valid_input`` (the second value of :func:`analyze_config`) adds :func:`valid_input_rule` first.
+    ``require_valid_input`` (the second value of :func:`analyze_config`) adds :func:`valid_input_rule` first. With
+    ``findings`` (default: the detectors' defaults), every detector of :mod:`grpo_cli.findings` whose code or category
+    ``select`` names (all when ``None``) and ``ignore`` does not is one more rule: an ``error`` finding fails it, a
+    ``warning`` warns (:func:`finding_results`).
 
     Raises:
         UsageError: unknown metrics, bad ``per`` columns, missing baseline values, rules on metrics the dump cannot
@@ -875,7 +886,7 @@ def run_check(
     per_columns = list(dict.fromkeys(r.per for r in rules if r.per is not None))
     # One pass per grouping column; the first also gives the overall figures.
     first = analyze(dataset, replace(config, group_by=per_columns[0] if per_columns else None),
-                    progress=progress)
+                    progress=progress, findings=findings or DetectConfig())
     groups: dict[str, list[dict[str, Any]]] = {}
     if per_columns:
         groups[per_columns[0]] = first.groups
@@ -905,6 +916,8 @@ def run_check(
             problems.append(str(exc))
     if problems:
         raise UsageError("; ".join(problems))
+    chosen = select_findings(first.findings, select, ignore)
+    results = finding_results(chosen) + results
 
     notes = []
     if baseline is not None and any(r.needs_baseline for r in rules):
@@ -922,4 +935,25 @@ def run_check(
         baseline=baseline.path if baseline is not None else None,
         warn_only=warn_only,
         notes=notes,
+        findings=chosen,
     )
+
+
+_FINDING_STATUS = {"error": Status.FAIL, "warning": Status.WARN}
+
+
+def finding_results(findings: Sequence[Mapping[str, Any]]) -> list[RuleResult]:
+    """One rule per detector code with a finding at ``warning`` or ``error``: it fails on an ``error`` (exit 1) and
+    warns on a ``warning``; ``info`` findings stay in the report's ``findings`` without a rule row."""
+    results = []
+    for code, (category, name) in CODES.items():
+        mine = [f for f in findings if f["code"] == code and f["severity"] in _FINDING_STATUS]
+        if not mine:
+            continue
+        worst = max(mine, key=lambda f: SEVERITIES.index(f["severity"]))
+        rule = Rule(code, max=0, name=f"{code} {name}", source=f"findings (grpo-cli explain {code})",
+                    hint=worst.get("fix"))
+        message = f"{code} [{category}] {worst['severity']}: {worst['title']}"
+        results.append(RuleResult(rule, _FINDING_STATUS[worst["severity"]], bound=worst["severity"],
+                                  message=_with_hint(rule, message)))
+    return results

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from grpo_cli.errors import InputError
+from grpo_cli.findings import DetectConfig
 
 if TYPE_CHECKING:
     from grpo_cli.commands.check import CheckReport, RuleSet
@@ -180,6 +181,7 @@ def build_report(
     require_valid: bool,
     progress: Callable[[int], None] | None = None,
     preset: str | None = None,
+    findings: DetectConfig | None = None,
 ) -> Report:
     """Run the passes a report needs and evaluate every rule set on their figures.
 
@@ -191,7 +193,8 @@ def build_report(
 
     group_by = TREND_GROUP_BY if TREND_GROUP_BY in dataset.columns else None
     unavailable = None if group_by else f"the dump has no '{TREND_GROUP_BY}' column (per-step trends need it)"
-    analysis = analyze(dataset, replace(analyze_config, group_by=group_by), progress=progress)
+    analysis = analyze(dataset, replace(analyze_config, group_by=group_by), progress=progress,
+                       findings=findings or DetectConfig())
 
     prox: CompareProxResult | None = None
     prox_unavailable = None

@@ -1,6 +1,6 @@
 """Statistics for the findings layer (``diag/*`` keys) as a functional core: ``*_state`` / ``*_update`` / ``*_compute``.
 
-Each family answers one question a detector (:mod:`grpo_cli.core.diag_findings`) asks of a dump, from a
+Each family answers one question a detector (:mod:`grpo_cli.findings.detect`) asks of a dump, from a
 :class:`~grpo_cli.core.state.MetricState` (int64 counts, float64 sums, min/max, bounded top-k tables) or a
 :class:`~grpo_cli.core.keyed_state.KeyedState` (one row per key), so every figure merges across batches, workers and
 ranks and does not depend on batching (float64 sums up to summation order). Log-probs are used **as dumped** (no
@@ -38,7 +38,6 @@ import torch
 from torch import Tensor
 
 from grpo_cli.core.batch import TokenBatch
-from grpo_cli.core.diag_findings import DetectConfig, Finding, detect
 from grpo_cli.core.keyed_state import KeyedState
 from grpo_cli.core.packing import lengths_from_cu_seqlens, segment_ids
 from grpo_cli.core.prox import broadcast_current_version
@@ -46,9 +45,6 @@ from grpo_cli.core.state import MetricState, Reduce, count, maximum, top_rows, t
 
 __all__ = [
     "LOGP_COLUMNS",
-    "DetectConfig",
-    "Finding",
-    "detect",
     "MAX_DIAG_LAG",
     "MIN_SEQ_PAIRS",
     "SHIFT_PREFERENCE",
@@ -761,6 +757,7 @@ def groups_compute(state: KeyedState, *, limit: int = 8) -> dict[str, Any]:
 _STEP_COLUMNS = (
     "n_tok", "n_old", "sum_abs", "n_lag0", "sum_abs_lag0", "sum_exp_lag0", "n_ent", "sum_ent", "sum_neg_new",
     "n_seq", "n_eos_known", "n_no_eos", "n_lag", "sum_lag", "n_clip_known", "n_clip", "n_prox", "sum_prox_abs",
+    "n_rew", "sum_rew", "n_tail_lag0",
 )
 _STEP_OPS = (Reduce.SUM,) * len(_STEP_COLUMNS) + (Reduce.MAX, Reduce.MAX)
 _STEP_LAG_OPS = (Reduce.SUM, Reduce.SUM, Reduce.MAX, Reduce.MIN, Reduce.MIN)
@@ -790,6 +787,7 @@ def by_step_update(
     epsilon: float = 0.2,
     epsilon_high: float | None = None,
     prox_logp: Tensor | None = None,
+    rewards: Tensor | None = None,
 ) -> None:
     """Fold one batch of **valid tokens** into ``state``.
 
@@ -805,6 +803,8 @@ def by_step_update(
         epsilon, epsilon_high: the clip range (``clip/ratio``'s rule: r > 1 + ε_high with A > 0 or r < 1 − ε with
             A < 0, ε_high defaulting to ε).
         prox_logp: ``[N]`` proximal log-probs for the step's own policy change mean |new − prox|, or ``None``.
+        rewards: ``[B]`` per-sequence rewards (the step's mean reward, which tells convergence from collapse), or
+            ``None``.
     """
     n_seq = cu_seqlens.numel() - 1
     if n_seq == 0:
@@ -833,11 +833,17 @@ def by_step_update(
             cols["n_lag0"] = tok_sum(at0)
             cols["sum_abs_lag0"] = tok_sum(diff * at0)
             cols["sum_exp_lag0"] = tok_sum(torch.exp(diff.to(torch.float64)) * at0)
+            # Importance weights outside [1/2, 2] at lag 0: engine/trainer disagreement, not policy change.
+            cols["n_tail_lag0"] = tok_sum((diff.to(torch.float64) > math.log(2.0)).to(torch.float64) * at0)
     if entropy is not None:
         cols["n_ent"] = cols["n_tok"]
         cols["sum_ent"] = tok_sum(_float(entropy))
     seq_ones = torch.ones(n_seq, dtype=torch.float64, device=device)
     cols["n_seq"] = torch.zeros(n_keys, dtype=torch.float64, device=device).index_add_(0, inv_seq, seq_ones)
+    if rewards is not None:
+        cols["n_rew"] = cols["n_seq"]
+        cols["sum_rew"] = torch.zeros(n_keys, dtype=torch.float64, device=device).index_add_(
+            0, inv_seq, rewards.to(device=device, dtype=torch.float64))
     max_lag = torch.full((n_keys,), -math.inf, dtype=torch.float64, device=device)
     if eos is not None:
         cols["n_eos_known"] = cols["n_seq"]
@@ -906,8 +912,9 @@ def _step_lag_rows(step: Tensor, seq: Tensor, new: Tensor, old: Tensor, lag: Ten
 def by_step_compute(state: KeyedState) -> dict[str, Any]:
     """``diag/by_step``: one row per step, in step order, ``{step, n_tokens, abs_diff_mean, lag0_n_tokens,
     lag0_abs_diff_mean, lag0_mult_prob_error, entropy_mean, neg_logp_mean, n_sequences, no_eos_frac, lag_mean,
-    lag_max, clip_frac, lag0_seq_max, prox_abs_diff_mean}`` (``prox_abs_diff_mean``: mean |new − prox|, the policy's
-    own change over one version; ``lag0_seq_max``: the largest per-sequence mean |new − old| over the lag-0
+    lag_max, clip_frac, lag0_seq_max, prox_abs_diff_mean, reward_mean, lag0_tail_frac}`` (``lag0_tail_frac``:
+    the lag-0 tokens whose weight exp(new − old) lies outside [1/2, 2]; ``prox_abs_diff_mean``: mean |new − prox|,
+    the policy's own change over one version; ``lag0_seq_max``: the largest per-sequence mean |new − old| over the lag-0
     tokens of sequences with ≥ LAG0_SEQ_MIN_TOKENS of them: the worst engine of the step, which a broken worker
     sets whatever its share of the batch); and ``diag/by_step_lag``: one row per (step, lag) ``{step, lag,
     n_tokens, abs_diff_mean, seq_max}`` over the sequences of that lag (a sequence's lag is its first generated valid
@@ -936,6 +943,8 @@ def by_step_compute(state: KeyedState) -> dict[str, Any]:
             "clip_frac": ratio("n_clip", "n_clip_known"),
             "lag0_seq_max": None if c["lag0_seq_max"] == -math.inf else c["lag0_seq_max"],
             "prox_abs_diff_mean": ratio("sum_prox_abs", "n_prox"),
+            "reward_mean": ratio("sum_rew", "n_rew"),
+            "lag0_tail_frac": ratio("n_tail_lag0", "n_lag0"),
         })
     by_lag = []
     for r in state["sl"].tolist():
@@ -1137,7 +1146,7 @@ def diagnosis_update(
         base = v.prox_logp if v.prox_logp is not None else v.old_logp
         by_step_update(states["by_step"], step=step, new_logp=v.new_logp, cu_seqlens=vcu, old_logp=v.old_logp,
                        entropy=v.entropy, lag=lag, eos=v.eos, advantages=v.advantages, base_logp=base,
-                       epsilon=epsilon, epsilon_high=epsilon_high, prox_logp=v.prox_logp)
+                       epsilon=epsilon, epsilon_high=epsilon_high, prox_logp=v.prox_logp, rewards=v.rewards)
 
 
 def diagnosis_compute(states: dict[str, MetricState]) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +13,7 @@ from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.state import MetricState
 from grpo_cli.engine.figures import Figure, omitted_reasons
 
-__all__ = ["Accumulator", "MetricGroup"]
+__all__ = ["Accumulator", "MetricGroup", "per_key"]
 
 
 class MetricGroup:
@@ -24,6 +25,9 @@ class MetricGroup:
     """
 
     name: str = ""
+    findings_only: bool = False
+    """True for groups whose values are evidence for the findings layer, never reported as metrics; they run over
+    the whole dump only, not per ``--group-by`` value."""
     figures: tuple[Figure, ...] = ()
     """Every figure the group can report, declared once (:class:`~grpo_cli.engine.figures.Figure`)."""
 
@@ -76,3 +80,8 @@ class Accumulator:
             return self
         return Accumulator([s.to(device) for s in self.overall], {k: [s.to(device) for s in v]
                                                                     for k, v in self.by_key.items()})
+
+
+def per_key(groups: Sequence[MetricGroup]) -> list[MetricGroup]:
+    """The groups that also run per ``--group-by`` value (all but the findings-only ones)."""
+    return [group for group in groups if not group.findings_only]

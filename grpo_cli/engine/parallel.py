@@ -48,7 +48,7 @@ from grpo_cli._launch import DistributedEnv, distributed_env, is_secondary_rank
 from grpo_cli.core.keyed_state import keyed_combine
 from grpo_cli.core.state import MetricState, Reduce, select_top_rows
 from grpo_cli.engine.config import StreamConfig
-from grpo_cli.engine.group import Accumulator, MetricGroup
+from grpo_cli.engine.group import Accumulator, MetricGroup, per_key
 from grpo_cli.engine.runner import accumulate_states
 from grpo_cli.errors import GrpoCliError, UsageError
 from grpo_cli.io.reader import RolloutDataset, Shard
@@ -425,7 +425,7 @@ def accumulate(
             error = exc
         _agree_on_errors(error)
         assert acc is not None
-        all_reduce_accumulator(acc, lambda: [group.init_state(config, device) for group in groups])
+        all_reduce_accumulator(acc, lambda: [group.init_state(config, device) for group in per_key(groups)])
     if config.group_by is not None and len(acc.by_key) > config.max_groups:
         raise UsageError(f"--group-by {config.group_by}: more than {config.max_groups} distinct values")
     return acc

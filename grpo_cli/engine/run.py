@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_cli.core.state import MetricState
-from grpo_cli.engine.group import Accumulator, MetricGroup
+from grpo_cli.engine.group import Accumulator, MetricGroup, per_key
 from grpo_cli.engine.parallel import accumulate
 from grpo_cli.engine.validate import require_data
 from grpo_cli.io.reader import RolloutDataset
@@ -31,6 +31,10 @@ class AnalysisResult:
     columns: list[str] = field(default_factory=list)
     groups: list[dict[str, Any]] = field(default_factory=list)
     """With ``group_by``: ``[{"key": value, "metrics": {...}}, ...]`` in ascending key order."""
+    evidence: dict[str, Any] = field(default_factory=dict)
+    """The findings-only groups' values (``diag/*``): what the findings layer reads beside ``metrics``."""
+    findings: list[dict[str, Any]] = field(default_factory=list)
+    """The findings (:mod:`grpo_cli.findings`), most severe first; filled by the commands that diagnose."""
 
 
 def _figures(
@@ -39,6 +43,8 @@ def _figures(
     metrics: dict[str, Any] = {}
     omitted: dict[str, str] = {}
     for group, state in zip(groups, states):
+        if group.findings_only:
+            continue
         figures = group.compute(state, config)
         reasons = group.omitted(dataset.columns, config)
         metrics.update({k: v for k, v in figures.items() if k not in reasons})
@@ -59,10 +65,15 @@ def finalize(
     """Compute every group's figures from merged states and collect the omitted keys with reasons."""
     metrics, omitted = _figures(dataset, config, groups, acc.overall)
     require_data(metrics, [str(p) for p in dataset.files])  # zero rows / all skipped / no valid tokens: exit 2
+    keyed = per_key(groups)
     by_key = [
-        {"key": key, "metrics": _without_skip_counts(_figures(dataset, config, groups, acc.by_key[key])[0])}
+        {"key": key, "metrics": _without_skip_counts(_figures(dataset, config, keyed, acc.by_key[key])[0])}
         for key in sorted(acc.by_key)
     ]
+    evidence: dict[str, Any] = {}
+    for group, state in zip(groups, acc.overall):
+        if group.findings_only:
+            evidence.update(group.compute(state, config))
     return AnalysisResult(
         metrics=metrics,
         omitted=omitted,
@@ -70,6 +81,7 @@ def finalize(
         config=config.to_json(),
         columns=sorted(dataset.columns),
         groups=by_key,
+        evidence=evidence,
     )
 
 

@@ -13,7 +13,7 @@ import torch
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.state import MetricState
 from grpo_cli.engine.config import StreamConfig
-from grpo_cli.engine.group import Accumulator, MetricGroup
+from grpo_cli.engine.group import Accumulator, MetricGroup, per_key
 from grpo_cli.engine.stream import streamed
 from grpo_cli.engine.validate import BatchValidator, ValidationGroup
 from grpo_cli.errors import UsageError
@@ -169,9 +169,10 @@ def _update_batch(
     if config.group_by is None:
         return
     keys = getattr(batch, config.group_by)
+    keyed = per_key(groups)
     for key in torch.unique(keys).tolist():
         if key not in acc.by_key:
             if len(acc.by_key) >= config.max_groups:
                 raise UsageError(f"--group-by {config.group_by}: more than {config.max_groups} distinct values")
-            acc.by_key[key] = [group.init_state(config, device) for group in groups]
-        runner.update(groups, acc.by_key[key], batch.select_sequences(keys == key), config)
+            acc.by_key[key] = [group.init_state(config, device) for group in keyed]
+        runner.update(keyed, acc.by_key[key], batch.select_sequences(keys == key), config)

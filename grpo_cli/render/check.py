@@ -15,6 +15,7 @@ from rich.text import Text
 
 from grpo_cli.commands.check import CheckReport, RuleResult, Status, fmt
 from grpo_cli.render.documents import json_document
+from grpo_cli.render.findings import render_findings
 
 __all__ = [
     "check_document",
@@ -41,6 +42,8 @@ def render_check_table(console: Console, report: CheckReport) -> None:
     if report.baseline is not None:
         details += f"; baseline: {report.baseline}"
     console.print(Text(details, style="dim"))
+    if report.findings:
+        render_findings(console, report.findings, n_tokens=int(report.metrics.get("n_tokens", 0)), inputs=inputs)
     table = Table(title_justify="left", expand=False)
     table.add_column("status", no_wrap=True)
     table.add_column("rule", style="cyan")
@@ -76,6 +79,7 @@ def check_document(report: CheckReport) -> dict[str, Any]:
             "columns": report.columns,
             "rules": [result.to_json() for result in report.results],
             "summary": report.summary(),
+            "findings": report.findings,
         },
     )
 

@@ -6,7 +6,7 @@ import csv
 import io
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from grpo_cli import __version__
@@ -61,10 +61,15 @@ def dumps_json(document: Mapping[str, Any]) -> str:
     return json.dumps(document, indent=2, allow_nan=False, ensure_ascii=False) + "\n"
 
 
-def to_csv(metrics: Mapping[str, Any], groups: list[dict[str, Any]] | None = None) -> str:
+def to_csv(
+    metrics: Mapping[str, Any],
+    groups: list[dict[str, Any]] | None = None,
+    findings: Sequence[Mapping[str, Any]] = (),
+) -> str:
     """Long form ``metric,value``, or ``group,metric,value`` with groups (the overall figures have group ``all``).
 
-    List-valued figures (``top_kl``) are JSON-encoded in their cell.
+    List-valued figures (``top_kl``) are JSON-encoded in their cell; each finding is a row ``findings/<code>`` whose
+    value is the finding as JSON.
     """
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
@@ -77,12 +82,15 @@ def to_csv(metrics: Mapping[str, Any], groups: list[dict[str, Any]] | None = Non
             out.append([key, "" if value is None else value])
         return out
 
+    found = {f"findings/{f['code']}": dict(f) for f in findings}
     if groups is None:
         writer.writerow(["metric", "value"])
         writer.writerows(rows(metrics))
+        writer.writerows(rows(found))
     else:
         writer.writerow(["group", "metric", "value"])
         writer.writerows(["all", *row] for row in rows(metrics))
+        writer.writerows(["all", *row] for row in rows(found))
         for group in groups:
             writer.writerows([group["key"], *row] for row in rows(group["metrics"]))
     return buffer.getvalue()
@@ -95,6 +103,7 @@ def analyze_document(result: AnalysisResult, *, preset: str | None = None) -> di
         extra["preset"] = preset
     if result.config.get("group_by") is not None:
         extra["groups"] = result.groups
+    extra["findings"] = result.findings
     return json_document(command="analyze", inputs=result.inputs, config=result.config, metrics=result.metrics,
                          omitted=result.omitted, extra=extra)
 

@@ -18,6 +18,7 @@ from typing import Any
 from grpo_cli import __version__
 from grpo_cli._format import format_value
 from grpo_cli.commands.report import Report, per_step_series
+from grpo_cli.findings import verdict
 from grpo_cli.metrics.registry import KEYS, SECTIONS, section_of
 from grpo_cli.render import charts
 from grpo_cli.render.documents import analyze_document, compare_prox_document
@@ -37,6 +38,8 @@ TRENDS: tuple[tuple[str, str, tuple[str, ...], str, str], ...] = (
      "tokens dominate."),
     ("fig-trend-is-chi2", "Importance-weight χ²", ("is/chi2_token", "is/chi2_seq"), "χ²",
      "mean(w²) − 1 per token, and per sequence with w = exp(Σ log w); spikes mark steps with heavy-tailed weights."),
+    ("fig-trend-entropy", "Entropy", ("entropy/mean",), "nats",
+     "Mean token entropy of π_θ over valid tokens; a fall towards 0 while the reward stays flat is entropy collapse."),
     ("fig-trend-staleness", "Staleness", ("staleness/theta_mean", "staleness/theta_max"), "versions behind",
      "Trainer version minus each generated token's behaviour version (mean and maximum over valid tokens)."),
     ("fig-trend-loss", "Loss values", ("loss/*",), "loss",
@@ -62,6 +65,7 @@ def report_data(report: Report) -> dict[str, Any]:
         "compare_prox": prox_doc,
         "compare_prox_unavailable": report.prox_unavailable,
         "checks": {},
+        "findings": report.analysis.findings,
     }
     if report.group_by is not None:
         data["per_step"] = {"group_by": report.group_by, **per_step_series(report.analysis.groups)}
@@ -272,6 +276,29 @@ def _settings(report: Report) -> str:
     return " · ".join(parts)
 
 
+FINDING_CHARTS = {
+    "alignment": "fig-hist-abs-diff", "temperature": "fig-hist-abs-diff", "truncated-sampling": "fig-hist-abs-diff",
+    "mismatch": "fig-hist-abs-diff", "weight-sync": "fig-trend-kl", "importance-weights": "fig-hist-ratio",
+    "clipping": "fig-trend-clip", "staleness": "fig-heat-staleness", "prox-approximation": "fig-prox-lag",
+    "entropy-collapse": "fig-trend-entropy", "length-truncation": "figures", "mask": "figures",
+    "advantage": "figures", "no-signal": "figures", "reference": "figures", "duplicates": "figures",
+}
+"""The chart (or section) of the page that shows each finding category's evidence."""
+
+
+def _findings(report: Report) -> list[dict[str, Any]]:
+    """The findings, most severe first, each with the anchor of the chart that shows it."""
+    anchors = {c["id"] for c in _trend_charts(report)} | {"fig-hist-abs-diff", "fig-hist-ratio",
+                                                         "fig-heat-staleness", "fig-prox-lag", "figures"}
+    out = []
+    for finding in report.analysis.findings:
+        anchor = FINDING_CHARTS.get(finding["category"], "figures")
+        out.append({**finding, "anchor": anchor if anchor in anchors else "figures",
+                    "evidence_text": "; ".join(f"{k} = {_fmt(v.get('value'))}"
+                                               for k, v in finding["evidence"].items())})
+    return out
+
+
 def _context(report: Report) -> dict[str, Any]:
     from jinja2.utils import htmlsafe_json_dumps
 
@@ -287,6 +314,8 @@ def _context(report: Report) -> dict[str, Any]:
         "headline": [{"key": k, "value": _fmt(metrics[k]), "meaning": KEYS[k].meaning if k in KEYS else ""}
                      for k in HEADLINE_KEYS if isinstance(metrics.get(k), (int, float))],
         "verdicts": _verdicts(report),
+        "findings": _findings(report),
+        "findings_verdict": verdict(report.analysis.findings, int(metrics.get("n_tokens", 0))),
         "config": [(key, json.dumps(value, ensure_ascii=False) if isinstance(value, (list, dict)) else
                     format_value(value)) for key, value in config.items()],
         "columns": report.analysis.columns,

@@ -148,6 +148,9 @@ ZERO_STD_INFO, ZERO_STD_WARNING, ZERO_STD_ERROR = 0.25, 0.5, 0.8
 ENTROPY_RATIO_WARNING, ENTROPY_RATIO_ERROR = 0.5, 0.2
 """GRP401: the lower of the last quarter's mean entropy and the last step's, over the first quarter's mean
 (healthy simulated dumps: 0.92–1.05)."""
+REWARD_RISE = 0.1
+"""GRP401: a rise of the mean reward (last quarter of the steps over the first) from which an entropy fall reads as
+convergence (``info``), not collapse; rewards in [0, 1] (pass/fail) rise by far more when a run learns its task."""
 NO_EOS_INFO, NO_EOS_WARNING, NO_EOS_ERROR = 0.05, 0.2, 0.5
 """GRP402: ``seq/no_eos_frac`` overall or on any step (healthy simulation: ≈ 0.03)."""
 
@@ -264,7 +267,7 @@ def _series(fig: Mapping[str, Any], steps: list[dict[str, Any]], diag_key: str, 
         if v is not None and math.isfinite(v):
             if diag_key.startswith("lag0"):
                 w = r.get("lag0_n_tokens")
-            elif diag_key == "no_eos_frac":
+            elif diag_key in ("no_eos_frac", "reward_mean"):
                 w = r.get("n_sequences")
             else:
                 w = r.get("n_tokens", 1)
@@ -731,7 +734,15 @@ def _importance(c: _Ctx) -> list[Finding]:
     ev: dict[str, dict[str, Any]] = {}
     sev: str | None = None
     tail = None
-    if hi is not None and lo is not None:
+    lag0 = _series(f, c.steps, "lag0_tail_frac", None)
+    n_lag0 = sum(x[2] for x in lag0)
+    if n_lag0 >= c.cfg.min_tokens:
+        # With versions, the weights of stale tokens also carry the policy's own change between versions, which
+        # decoupled PPO or rejection sampling corrects by design; the lag-0 tail is the engine/trainer part alone.
+        tail = sum(x[1] * x[2] for x in lag0) / n_lag0
+        ev["diag/by_step[lag0_tail_frac]"] = _ev(tail, TAIL_WARNING)
+        sev = _grade(tail, TAIL_WARNING, TAIL_ERROR)
+    elif hi is not None and lo is not None:
         tail = hi + lo
         ev["is/frac_high + is/frac_low"] = _ev(tail, TAIL_WARNING)
         sev = _grade(tail, TAIL_WARNING, TAIL_ERROR)
@@ -748,8 +759,9 @@ def _importance(c: _Ctx) -> list[Finding]:
     if not spikes and n_tail < 10 * MIN_FLAGGED_SEQUENCES:
         sev = _cap(sev, notes, f"only about {int(n_tail)} tail tokens")
     title = (
-        f"importance weights exp(new − old) are heavy-tailed: {0 if tail is None else tail:.2%} of tokens outside "
-        f"[0.5, 2]" + (f", ESS {ess:.2f}" if ess is not None else "")
+        f"importance weights exp(new − old) are heavy-tailed: {0 if tail is None else tail:.2%} of "
+        f"{'lag-0 ' if n_lag0 >= c.cfg.min_tokens else ''}tokens outside [0.5, 2]"
+        + (f", ESS {ess:.2f}" if ess is not None else "")
     )
     fix = (
         "Bound the weights with truncated or masked importance sampling: verl `rollout_is` (token/sequence) with "
@@ -946,15 +958,24 @@ def _entropy(c: _Ctx) -> list[Finding]:
     sev = _grade(ratio, ENTROPY_RATIO_WARNING, ENTROPY_RATIO_ERROR, below=True)
     if sev is None:
         return []
+    notes: list[str] = []
+    rewards = _halves(_series(f, c.steps, "reward_mean", "reward/mean"), 0.25)
+    if rewards is not None and rewards[1] - rewards[0] >= REWARD_RISE:
+        # A policy converging on its task loses entropy as its reward rises; collapse is the concern when the
+        # entropy goes while the reward does not follow (Cui et al. 2025, "The Entropy Mechanism of RL for LLMs").
+        sev = _cap(sev, notes, f"the mean reward rose from {rewards[0]:.3g} to {rewards[1]:.3g} over the same steps: "
+                               "the policy may be converging")
     title = f"entropy falls from {h[0]:.3f} to {last:.3f} nats over the steps (×{ratio:.2f}): entropy collapse"
     fix = (
         "Slow the collapse: an entropy bonus (verl `entropy_coeff`, TRL `entropy_coef`), a higher clip on the "
         "upper side (clip-higher: verl `clip_ratio_high`, AReaL `eps_clip_higher`, slime `--eps-clip-high`), "
         "Clip-Cov/KL-Cov (verl), or a lower learning rate."
     )
-    return [Finding("GRP401", "entropy-collapse", sev, title,
-                    {f"diag/by_step[{key}] last/first quarter": _ev(ratio, ENTROPY_RATIO_WARNING)},
-                    {"steps": [series[0][0], series[-1][0]]}, fix)]
+    evidence = {f"diag/by_step[{key}] last/first quarter": _ev(ratio, ENTROPY_RATIO_WARNING)}
+    if rewards is not None:
+        evidence["diag/by_step[reward_mean] last − first quarter"] = _ev(rewards[1] - rewards[0], REWARD_RISE)
+    return [Finding("GRP401", "entropy-collapse", sev, title, evidence,
+                    {"steps": [series[0][0], series[-1][0]]}, fix, notes)]
 
 
 def _truncation(c: _Ctx) -> list[Finding]:
