@@ -329,6 +329,7 @@ def analyze(
         distill_weight=distill_weight,
         rl_weight=rl_weight,
         max_new_tokens=max_new_tokens,
+        names=names.value,
     )
     config.validate()
     for note in config.ppo_notes():

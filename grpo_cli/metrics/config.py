@@ -11,7 +11,10 @@ from grpo_cli.core.staleness import MAX_LAG
 from grpo_cli.engine.config import DEFAULT_BATCH_TOKENS, PPOOptions, check_finite, validate_stream
 from grpo_cli.errors import UsageError
 
-__all__ = ["LOSS_NAMES", "AnalyzeConfig"]
+__all__ = ["LOSS_NAMES", "PEER_NAMES", "AnalyzeConfig"]
+
+PEER_NAMES = ("areal", "verl", "trl", "twinkle")
+"""``--names`` frameworks besides ``grpo-cli`` (``grpo_cli.metrics.names.FRAMEWORKS`` is the same tuple)."""
 
 LOSS_NAMES = (*GRPO_VARIANTS, "ppo")
 """``--loss`` choices: the six GRPO-family loss objects and AReaL's ``ppo_actor_loss``."""
@@ -23,7 +26,9 @@ class AnalyzeConfig(PPOOptions):
 
     Besides :class:`~grpo_cli.engine.config.PPOOptions` (clip widths, dual clip, importance level, rejection sampling):
     ``losses`` selects the ``loss/*`` figures (``None``: all the data allows); ``beta``, ``tau_pos``, ``tau_neg`` and
-    ``max_completion_length`` are the GRPO-family loss objects' parameters (``docs/losses.md``).
+    ``max_completion_length`` are the GRPO-family loss objects' parameters (``docs/losses.md``). ``names`` is the
+    framework whose keys and conventions the report uses (``--names``; ``None`` or ``"grpo-cli"``: grpo-cli's own):
+    under a peer's name the peer-exact figures of :mod:`grpo_cli.metrics.peers` are computed too.
     """
 
     temperature: float = 1.0
@@ -45,6 +50,11 @@ class AnalyzeConfig(PPOOptions):
     distill_weight: float = 0.005
     rl_weight: float = 1.0
     max_new_tokens: int | None = None
+    names: str | None = None
+
+    def peer(self) -> str | None:
+        """The peer framework whose figures are asked for (``None`` for grpo-cli's own names)."""
+        return None if self.names in (None, "grpo-cli") else self.names
 
     def validate(self) -> None:
         self.validate_ppo()
@@ -71,6 +81,9 @@ class AnalyzeConfig(PPOOptions):
             raise UsageError(f"--temperature must be > 0, got {self.temperature}")
         if self.top_k < 0:
             raise UsageError(f"--top-k must be >= 0, got {self.top_k}")
+        if self.peer() is not None and self.peer() not in PEER_NAMES:
+            raise UsageError(f"--names: unknown framework {self.names!r} "
+                             f"(choose from grpo-cli, {', '.join(PEER_NAMES)})")
         validate_stream(self)
 
     def to_json(self) -> dict[str, Any]:
@@ -80,6 +93,7 @@ class AnalyzeConfig(PPOOptions):
         out.pop("max_groups")
         out["losses"] = list(LOSS_NAMES if self.losses is None else self.losses)
         out["tau_neg"] = self.tau_pos if self.tau_neg is None else self.tau_neg
+        out["names"] = self.peer() or "grpo-cli"
         # How the off-policy figures are binned (grpo_cli.core.histogram / .staleness), not options.
         out["quantile_rel_error"] = QUANTILE_REL_ERROR
         out["staleness_max_lag"] = MAX_LAG

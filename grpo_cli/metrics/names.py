@@ -18,11 +18,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from grpo_cli.engine.figures import TRANSFORMS, PeerName
+from grpo_cli.metrics.config import PEER_NAMES
 from grpo_cli.metrics.registry import KEYS
 
 __all__ = ["FRAMEWORKS", "NAMES", "TRANSFORMS", "PeerName", "rename_keys", "rename_metrics", "rename_result", "sources"]
 
-FRAMEWORKS: tuple[str, ...] = ("areal", "verl", "trl", "twinkle")
+FRAMEWORKS: tuple[str, ...] = PEER_NAMES
 """Frameworks ``--names`` accepts (besides ``grpo-cli``, the default: no renaming)."""
 
 def _tables() -> dict[str, dict[str, PeerName]]:
