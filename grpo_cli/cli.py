@@ -289,6 +289,10 @@ def analyze(
                      "(seq/no_eos_frac)."),
     ] = None,
     names: NamesOpt = NamesChoice.grpo_cli,
+    convention: Annotated[
+        str | None, typer.Option("--convention", help="With --names: an older peer release whose figures differ "
+                                 "(verl<=0.7: rollout_is statistics of the raw weights).")
+    ] = None,
     workers: WorkersOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
@@ -330,6 +334,7 @@ def analyze(
         rl_weight=rl_weight,
         max_new_tokens=max_new_tokens,
         names=names.value,
+        convention=convention,
     )
     config.validate()
     for note in config.ppo_notes():

@@ -105,6 +105,29 @@ def test_verl_truncated_weight_statistics_by_hand(capsys, tmp_path):
     assert named["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1 / 3)
     plain = run_json(capsys, "analyze", path)["metrics"]
     assert "rollout_corr/rollout_is_mean" not in plain and "verl/rollout_corr/rollout_is_mean" not in plain
+    # verl ≤ 0.7, an explicit option: statistics of the raw weights, mean 5.25/3 = 1.75, max 4; std and ESS of
+    # clamp(w, 1/C, C) = [2, 0.5, 1]: ESS = (3.5/3)² / (5.25/3) = 0.7778
+    old_doc = run_json(capsys, "analyze", path, "--names", "verl", "--convention", "verl<=0.7")
+    older = old_doc["metrics"]
+    assert older["rollout_corr/rollout_is_mean"] == pytest.approx(1.75, rel=1e-6)
+    assert older["rollout_corr/rollout_is_max"] == pytest.approx(4.0, rel=1e-6)
+    assert older["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx((3.5 / 3) ** 2 / (5.25 / 3), rel=1e-6)
+    assert old_doc["config"]["convention"] == "verl<=0.7"
+
+
+def test_verl_older_release_against_the_peer_function(capsys, dump):
+    path, seqs = dump
+    metrics = run_json(capsys, "analyze", path, "--names", "verl", "--convention", "verl<=0.7")["metrics"]
+    old, prox, mask = (padded(seqs, a) for a in ("old", "prox", "mask"))
+    check(metrics, verl_rollout_is(prox, old, mask, threshold=2.0, truncate=False)[1], "rollout_corr/")
+
+
+@pytest.mark.parametrize("args", [["--convention", "verl<=0.7"], ["--names", "trl", "--convention", "verl<=0.7"],
+                                  ["--names", "verl", "--convention", "verl<=0.1"]])
+def test_convention_needs_a_matching_peer(capsys, dump, args):
+    path, _ = dump
+    assert main(["analyze", str(path), "-q", *args]) != 0
+    assert "--convention" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------------------

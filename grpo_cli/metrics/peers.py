@@ -145,7 +145,7 @@ def _verl_figures() -> tuple[Figure, ...]:
 
 
 def _verl_specs(p: str) -> dict[str, StateSpec]:
-    sums = ("w", "w2", "r", "r2", "ppl_t", "lppl_t", "kl", "k3", "ppl_r", "lppl_r", "diff", "adiff", "pplratio",
+    sums = ("w", "v", "v2", "r", "r2", "ppl_t", "lppl_t", "kl", "k3", "ppl_r", "lppl_r", "diff", "adiff", "pplratio",
             "rho2", "chi2seq")
     specs: dict[str, StateSpec] = {f"{p}{s}": total() for s in sums}
     specs.update({f"{p}{c}": count() for c in ("n", "n_high", "n_low", "rows", "rows_high", "rows_low")})
@@ -154,15 +154,20 @@ def _verl_specs(p: str) -> dict[str, StateSpec]:
     return specs
 
 
-def _verl_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu: Tensor, c: float) -> None:
-    """Fold verl's IS and off-policy sums of one batch (valid tokens, packed) into ``state`` (prefix ``p``)."""
+def _verl_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu: Tensor, c: float,
+                 truncate: bool = True) -> None:
+    """Fold verl's IS and off-policy sums of one batch (valid tokens, packed) into ``state`` (prefix ``p``).
+
+    ``truncate``: verl 0.8 and later take the IS statistics of the truncated weights min(w, C); ``False`` is verl
+    0.7 and earlier (mean, extrema and per-sequence figures of the raw w, std and ESS of clamp(w, 1/C, C))."""
     t, r = _f64(train), _f64(rollout)
     lengths = lengths_from_cu_seqlens(cu).to(t.device)
     n_rows = lengths.numel()
     denom = lengths.to(_F64).clamp(min=1.0)
     log_ratio = t - r
     raw = torch.exp(log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND))
-    w = raw.clamp(max=c)
+    w = raw.clamp(max=c) if truncate else raw
+    v = w if truncate else raw.clamp(min=1.0 / c, max=c)
     row_w = segment_sum(w, cu, _F64) / denom
     row_raw = segment_sum(raw, cu, _F64) / denom
     mu_t = segment_sum(t, cu, _F64) / denom
@@ -170,7 +175,7 @@ def _verl_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu:
     diff = mu_r - mu_t
     seq_log = segment_sum(log_ratio, cu, _F64).clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
     upd: dict[str, Tensor] = {
-        "n": torch.tensor(t.numel()), "w": w.sum(), "w2": (w * w).sum(),
+        "n": torch.tensor(t.numel()), "w": w.sum(), "v": v.sum(), "v2": (v * v).sum(),
         "n_high": (raw > c).sum(), "n_low": (raw < 1.0 / c).sum(),
         "rows": torch.tensor(n_rows), "r": row_w.sum(), "r2": (row_w * row_w).sum(),
         "rows_high": (row_raw > c).sum(), "rows_low": (row_raw < 1.0 / c).sum(),
@@ -192,15 +197,15 @@ def _verl_compute(state: MetricState, p: str, c: float) -> dict[str, float]:
     if n == 0 or rows == 0:  # verl raises on a batch without valid tokens
         return {}
     mean = float(state[p + "w"]) / n
-    mean_sq = float(state[p + "w2"]) / n
+    v_mean, v_sq = float(state[p + "v"]) / n, float(state[p + "v2"]) / n
     r_mean = float(state[p + "r"]) / rows
     r_var = (float(state[p + "r2"]) - rows * r_mean * r_mean) / (rows - 1) if rows > 1 else 0.0
     return {
         "rollout_is_mean": mean,
         "rollout_is_max": float(state[p + "w_max"]),
         "rollout_is_min": float(state[p + "w_min"]),
-        "rollout_is_std": math.sqrt(max(mean_sq - mean * mean, 0.0)) if n > 1 else 0.0,
-        "rollout_is_eff_sample_size": (mean + 1e-8) ** 2 / mean_sq if mean_sq > 0 else math.nan,
+        "rollout_is_std": math.sqrt(max(v_sq - v_mean * v_mean, 0.0)) if n > 1 else 0.0,
+        "rollout_is_eff_sample_size": (v_mean + 1e-8) ** 2 / v_sq if v_sq > 0 else math.nan,
         "rollout_is_ratio_fraction_high": int(state[p + "n_high"]) / n,
         "rollout_is_ratio_fraction_low": int(state[p + "n_low"]) / n,
         "rollout_is_seq_mean": r_mean,
@@ -232,7 +237,8 @@ class VerlPeerGroup(MetricGroup):
     the current policy, our ``new_logp``, against the rollout), the Pearson figure and ``critic/score/*``.
 
     The importance weights are token level with verl's truncation (TIS) at C = ``--is-threshold``; verl 0.8 and
-    later take the statistics of the truncated weights (w = [4, 0.25, 1], C = 2: mean 1.083, max 2, ESS 0.695).
+    later take the statistics of the truncated weights (w = [4, 0.25, 1], C = 2: mean 1.083, max 2, ESS 0.695),
+    ``--convention verl<=0.7`` those of the raw weights (1.75, 4, 0.778).
     """
 
     name = "verl"
@@ -252,11 +258,11 @@ class VerlPeerGroup(MetricGroup):
     def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: AnalyzeConfig) -> None:
         if config.peer() != "verl":
             return
-        c = config.is_threshold
+        c, truncate = config.is_threshold, config.convention != "verl<=0.7"
         if valid.old_logp is not None:
-            _verl_update(state, "b_", valid.new_logp, valid.old_logp, valid.cu_seqlens, c)
+            _verl_update(state, "b_", valid.new_logp, valid.old_logp, valid.cu_seqlens, c, truncate)
             if valid.prox_logp is not None:
-                _verl_update(state, "d_", valid.prox_logp, valid.old_logp, valid.cu_seqlens, c)
+                _verl_update(state, "d_", valid.prox_logp, valid.old_logp, valid.cu_seqlens, c, truncate)
                 x, y = torch.exp(_f64(valid.prox_logp)), torch.exp(_f64(valid.old_logp))
                 state.update(px=x.sum(), py=y.sum(), pxx=(x * x).sum(), pyy=(y * y).sum(), pxy=(x * y).sum(),
                              pn=torch.tensor(x.numel()))
