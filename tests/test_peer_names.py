@@ -223,3 +223,14 @@ def test_grpo_cli_keys_keep_their_values(capsys, dump, framework):
             assert named["metrics"][key] == value, key
         else:
             assert named["metrics"][target.key] == target.convert(value), key
+
+
+def test_trl_kl_without_old_log_probs_is_the_plain_k3(capsys, tmp_path):
+    # TRL's on-policy shortcut (no old_per_token_logps): coef_1 = 1, so its logged kl is k3 = grpo-cli's kl_ref/k3
+    seqs = [dataclasses.replace(s, old=None) for s in random_sequences(12, seed=9)]
+    path = tmp_path / "onpolicy.parquet"
+    write_sequences(str(path), seqs)
+    named = run_json(capsys, "analyze", path, "--names", "trl")["metrics"]
+    new, ref, mask = (padded(seqs, a) for a in ("new", "ref", "mask"))
+    assert named["kl"] == pytest.approx(trl_logged_kl(new, None, ref, mask), **APPROX)
+    assert named["kl"] == pytest.approx(named["kl_ref/k3"], **APPROX)  # grpo-cli works in float32 there

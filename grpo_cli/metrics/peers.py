@@ -315,8 +315,9 @@ def _trl_figures() -> tuple[Figure, ...]:
     out.append(Figure("trl/cispo_clip_ratio", "token mean of [r > 1 + ε_high ∧ A > 0] (TRL's CISPO cap "
                       "epsilon_high = 1 + --epsilon-high)", section="trl", reduce="fraction", needs=(BASE, ADV),
                       enabled=enabled, peers={"trl": "cispo_clip_ratio"}))
-    out.append(Figure("trl/kl", "token mean of k3(ref vs new)·r (TRL use_bias_correction_kl, its default)",
-                      section="trl", needs=(REF, BASE), enabled=enabled, peers={"trl": "kl"}))
+    out.append(Figure("trl/kl", "token mean of k3(ref vs new)·r (TRL use_bias_correction_kl, its default; r = 1 "
+                      "without old_logp or prox_logp, TRL's on-policy shortcut)", section="trl", needs=(REF,),
+                      enabled=enabled, peers={"trl": "kl"}))
     out.append(Figure("trl/sampling/sampling_logp_difference/mean", "mean |prox − old| (TRL's recomputed "
                       "old_per_token_logps vs vLLM's sampling log-probs)", section="trl", needs=(DECOUPLED,),
                       enabled=enabled, peers={"trl": "sampling/sampling_logp_difference/mean"}))
@@ -365,6 +366,7 @@ class TrlPeerGroup(MetricGroup):
             return
         base, cu = valid.ratio_base_logp, valid.cu_seqlens
         lengths = lengths_from_cu_seqlens(cu).to(valid.device)
+        coef_tokens = torch.ones(valid.n_tokens, dtype=_F64, device=valid.device)  # TRL: no old log-probs, r = 1
         if base is not None:
             log_ratio = _f64(valid.new_logp) - _f64(base)
             if config.importance_level == "sequence":
@@ -374,10 +376,10 @@ class TrlPeerGroup(MetricGroup):
                 coef_tokens = torch.exp(log_ratio)
             if valid.advantages is not None:
                 self._clip(state, coef_tokens, _f64(valid.advantages), cu, lengths, config)
-            if valid.ref_logp is not None:
-                y = _f64(valid.ref_logp) - _f64(valid.new_logp)
-                k3 = torch.expm1(y) - y
-                state.update(kl=(k3 * coef_tokens).sum(), n_kl=torch.tensor(y.numel()))
+        if valid.ref_logp is not None:
+            y = _f64(valid.ref_logp) - _f64(valid.new_logp)
+            k3 = torch.expm1(y) - y
+            state.update(kl=(k3 * coef_tokens).sum(), n_kl=torch.tensor(y.numel()))
         if valid.prox_logp is not None and valid.old_logp is not None:
             delta = _f64(valid.prox_logp) - _f64(valid.old_logp)
             finite = ~torch.isnan(delta)
