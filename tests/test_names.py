@@ -68,13 +68,14 @@ def test_tables_are_one_to_one_and_name_real_keys(framework):
 
 def test_rename_metrics_conversions():
     metrics = {"logp/diff_mean": 0.25, "ratio/log_mean": -0.5, "n_sequences": 3, "top_kl": [{"kl": 1.0}],
-               "m2po/exact": True, "prox/linear/rmse": 0.5, "kl/k1": None}
+               "m2po/exact": True, "prox/linear/rmse": 0.5, "areal/compute_logp/kl_div_direct/avg": None}
     areal = rename_metrics(metrics, "areal")
-    assert areal == {"ppo_actor/update/logp_diff/avg": -0.25, "ppo_actor/update/approx_kl/avg": -0.5,
+    # ratio/log_mean is no longer AReaL's approx_kl/avg: that is the peer-exact areal/approx_kl/avg
+    assert areal == {"ppo_actor/update/logp_diff/avg": -0.25, "ratio/log_mean": -0.5,
                      "ppo_actor/n_seqs": 3, "top_kl": [{"kl": 1.0}], "m2po/exact": True,
                      "ppo_actor/update/compute_logp/linear/squared_error/avg": 0.25,
                      "ppo_actor/update/compute_logp/kl_div_direct/avg": None}
-    assert list(areal)[:3] == ["ppo_actor/update/logp_diff/avg", "ppo_actor/update/approx_kl/avg",
+    assert list(areal)[:3] == ["ppo_actor/update/logp_diff/avg", "ratio/log_mean",
                                "ppo_actor/n_seqs"]  # order kept
     assert rename_metrics(metrics, "verl")["actor/ppo_kl"] == 0.5  # verl: mean(old − new)
     assert rename_metrics(metrics, "grpo-cli") == metrics and rename_metrics(metrics, None) == metrics
@@ -112,10 +113,12 @@ def test_analyze_names_relabels_every_mapped_figure(capsys, dump, framework):
     for key, value in plain["metrics"].items():
         target = table.get(key)
         expected[target.key if target else key] = target.convert(value) if target else value
-    assert named["metrics"] == expected
-    assert named["config"]["names"] == framework and "names" not in plain["config"]
+    # besides these, the peer-exact figures (grpo_cli/metrics/peers.py, tests/test_peer_names.py)
+    peer_exact = {table[k].key for k in table if k.startswith(framework + "/")}
+    assert {k: v for k, v in named["metrics"].items() if k not in peer_exact} == expected
+    assert named["config"]["names"] == framework and plain["config"]["names"] == "grpo-cli"
     mapped = [key for key in plain["metrics"] if key in table]
-    assert len(mapped) >= 8  # the dump exercises a good part of every table
+    assert len(mapped) >= 7  # the dump exercises a good part of every table
     for key in plain["omitted"]:
         assert (table[key].key if key in table else key) in named["omitted"]
 
@@ -133,7 +136,8 @@ def test_sign_conventions_against_a_reference(capsys, dump):
         sum(abs(d) for d in diffs) / len(diffs), rel=1e-6)
     verl = run_json(capsys, "analyze", path, "--names", "verl")["metrics"]
     assert verl["actor/ppo_kl"] == pytest.approx(-mean_diff, rel=1e-6)
-    assert verl["rollout_corr/kl"] == pytest.approx(-mean_diff, rel=1e-6)  # mean(rollout − old) in verl's roles
+    # no prox_logp: verl's bypass mode, current (new) against rollout (old): mean(rollout − current)
+    assert verl["actor/rollout_corr/kl"] == pytest.approx(-mean_diff, rel=1e-6)
     twinkle = run_json(capsys, "analyze", path, "--names", "twinkle")["metrics"]
     assert twinkle["train/logp_diff_mean"] == pytest.approx(mean_diff, rel=1e-6)
 
@@ -143,9 +147,10 @@ def test_names_table_group_by_and_csv(capsys, dump):
     code = main(["analyze", str(path), "--names", "areal", "--group-by", "step", "--all"])
     out, _ = capsys.readouterr()
     assert code == 0
-    assert "ppo_actor/update/importance_weight/max" in out and "ratio/max:" in out  # label + grpo-cli key
+    # label + grpo-cli key (the peer-exact figure of grpo_cli/metrics/peers.py)
+    assert "ppo_actor/update/importance_weight/max" in out and "areal/importance_weight/max:" in out
     header = out.split("Per step")[1].splitlines()[2]
-    assert header.count("ppo_actor/update/") == 5  # the 5 default per-group columns, translated
+    assert header.count("ppo_actor/update/") == 2  # the default per-group columns that have an AReaL name
     doc = run_json(capsys, "analyze", path, "--names", "trl", "--group-by", "step")
     assert all("clip_ratio/region_mean" in g["metrics"] for g in doc["groups"])
     code = main(["analyze", str(path), "--names", "twinkle", "--format", "csv"])

@@ -24,7 +24,8 @@ SECTION_IDS = ("summary", "verdicts", "verdict-sanity", "key-figures", "checks",
                "distributions", "staleness", "top-kl", "top-kl-table", "figures", "not-computed", "config",
                "report-data")
 CHART_IDS = ("fig-trend-clip", "fig-trend-kl", "fig-trend-is-ess", "fig-trend-is-chi2", "fig-trend-staleness",
-             "fig-trend-loss", "fig-trend-entropy", "fig-hist-ratio", "fig-hist-abs-diff", "fig-heat-staleness", "fig-prox-lag")
+             "fig-trend-loss", "fig-trend-entropy", "fig-hist-ratio", "fig-hist-abs-diff", "fig-heat-staleness",
+             "fig-prox-lag")
 DATA = re.compile(r'<script type="application/json" id="report-data">(.*?)</script>', re.S)
 
 RULES = """

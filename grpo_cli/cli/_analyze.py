@@ -118,6 +118,10 @@ def analyze(
                      "(seq/no_eos_frac)."),
     ] = None,
     names: NamesOpt = "grpo-cli",
+    convention: Annotated[
+        str | None, typer.Option("--convention", help="With --names: an older peer release whose figures differ "
+                                 "(verl<=0.7: rollout_is statistics of the raw weights).")
+    ] = None,
     workers: WorkersOpt = None,
     quiet: QuietOpt = False,
     all_tables: Annotated[

@@ -14,6 +14,7 @@ from grpo_cli.metrics.config import LOSS_NAMES, AnalyzeConfig
 from grpo_cli.metrics.distill import DistillGroup
 from grpo_cli.metrics.loss import LossGroup
 from grpo_cli.metrics.offpolicy import offpolicy_groups
+from grpo_cli.metrics.peers import peer_groups
 from grpo_cli.metrics.policy import CountsGroup, PolicyGroup
 
 __all__ = ["LOSS_NAMES", "AnalyzeConfig", "default_groups"]
@@ -23,5 +24,5 @@ def default_groups() -> list[MetricGroup]:
     """The metric groups ``analyze`` runs, in report order."""
     return [
         ValidationGroup(), CountsGroup(), PolicyGroup(), LossGroup(), *offpolicy_groups(), DistillGroup(),
-        ActorStatsGroup(),
+        ActorStatsGroup(), *peer_groups(),
     ]

@@ -5,13 +5,22 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from grpo_cli._choices import FRAMEWORKS
 from grpo_cli.core.grpo_family import GRPO_VARIANTS
 from grpo_cli.core.histogram import QUANTILE_REL_ERROR
 from grpo_cli.core.staleness import MAX_LAG
 from grpo_cli.engine.config import DEFAULT_BATCH_TOKENS, PPOOptions, check_finite, validate_stream
 from grpo_cli.errors import UsageError
 
-__all__ = ["LOSS_NAMES", "AnalyzeConfig"]
+__all__ = ["LOSS_NAMES", "PEER_CONVENTIONS", "PEER_NAMES", "AnalyzeConfig"]
+
+PEER_NAMES = FRAMEWORKS
+"""``--names`` frameworks besides ``grpo-cli`` (``grpo_cli.metrics.names.FRAMEWORKS`` is the same tuple)."""
+
+PEER_CONVENTIONS: dict[str, tuple[str, ...]] = {"verl": ("verl<=0.7",)}
+"""``--convention``: older peer releases whose logged figures differ and that users still run, per ``--names``
+peer (the core's ``convention`` strings). ``verl<=0.7``: ``rollout_corr/rollout_is_*`` describe the raw weights
+(verl 0.8 and later: the truncated weights)."""
 
 LOSS_NAMES = (*GRPO_VARIANTS, "ppo")
 """``--loss`` choices: the six GRPO-family loss objects and AReaL's ``ppo_actor_loss``."""
@@ -23,7 +32,11 @@ class AnalyzeConfig(PPOOptions):
 
     Besides :class:`~grpo_cli.engine.config.PPOOptions` (clip widths, dual clip, importance level, rejection sampling):
     ``losses`` selects the ``loss/*`` figures (``None``: all the data allows); ``beta``, ``tau_pos``, ``tau_neg`` and
-    ``max_completion_length`` are the GRPO-family loss objects' parameters (``docs/losses.md``).
+    ``max_completion_length`` are the GRPO-family loss objects' parameters (``docs/losses.md``). ``names`` is the
+    framework whose keys and conventions the report uses (``--names``; ``None`` or ``"grpo-cli"``: grpo-cli's own):
+    under a peer's name the peer-exact figures of :mod:`grpo_cli.metrics.peers` are computed too, by the peer's
+    pinned release (:data:`~grpo_cli.core.conventions.PEER_RELEASES`) unless ``convention`` names an older one
+    (:data:`PEER_CONVENTIONS`, ``--convention``).
     """
 
     temperature: float = 1.0
@@ -45,6 +58,12 @@ class AnalyzeConfig(PPOOptions):
     distill_weight: float = 0.005
     rl_weight: float = 1.0
     max_new_tokens: int | None = None
+    names: str | None = None
+    convention: str | None = None
+
+    def peer(self) -> str | None:
+        """The peer framework whose figures are asked for (``None`` for grpo-cli's own names)."""
+        return None if self.names in (None, "grpo-cli") else self.names
 
     def validate(self) -> None:
         self.validate_ppo()
@@ -71,6 +90,14 @@ class AnalyzeConfig(PPOOptions):
             raise UsageError(f"--temperature must be > 0, got {self.temperature}")
         if self.top_k < 0:
             raise UsageError(f"--top-k must be >= 0, got {self.top_k}")
+        if self.peer() is not None and self.peer() not in PEER_NAMES:
+            raise UsageError(f"--names: unknown framework {self.names!r} "
+                             f"(choose from grpo-cli, {', '.join(PEER_NAMES)})")
+        if self.convention is not None:
+            accepted = PEER_CONVENTIONS.get(self.peer() or "", ())
+            if self.convention not in accepted:
+                raise UsageError(f"--convention {self.convention!r} needs --names with a peer release that differs "
+                                 f"(choose from {', '.join(c for cs in PEER_CONVENTIONS.values() for c in cs)})")
         validate_stream(self)
 
     def to_json(self) -> dict[str, Any]:
@@ -80,6 +107,8 @@ class AnalyzeConfig(PPOOptions):
         out.pop("max_groups")
         out["losses"] = list(LOSS_NAMES if self.losses is None else self.losses)
         out["tau_neg"] = self.tau_pos if self.tau_neg is None else self.tau_neg
+        out["names"] = self.peer() or "grpo-cli"
+        out["convention"] = self.convention or self.peer() or "grpo-cli"
         # How the off-policy figures are binned (grpo_cli.core.histogram / .staleness), not options.
         out["quantile_rel_error"] = QUANTILE_REL_ERROR
         out["staleness_max_lag"] = MAX_LAG

@@ -36,7 +36,7 @@ _LOSS_MEANINGS = {
     "dr_grpo": "DRGRPOLoss: token sum / (sequences · max_completion_length)",
     "ppo": "AReaL ppo_actor_loss (decoupled with prox_logp; dual clip, rejection sampling)",
 }
-_LOSS_PEERS = {"ppo": {"areal": "ppo_actor/update/actor_loss/avg", "verl": "actor/pg_loss"}}
+_LOSS_PEERS = {"ppo": {"verl": "actor/pg_loss"}}
 
 
 def _selected(name: str) -> Callable[[AnalyzeConfig], bool]:
@@ -79,7 +79,7 @@ class LossGroup(MetricGroup):
           for name in LOSS_NAMES),
         Figure("clip/dual", "AReaL dual clip (--c-clip): A < 0 and r > c_clip, loss capped at c_clip·|A|",
                reduce="fraction", needs=(_NEEDS,), enabled=lambda config: config.c_clip is not None,
-               peers={"areal": "ppo_actor/update/dual_clip_ratio/avg", "verl": "actor/pg_clipfrac_lower"}),
+               peers={"verl": "actor/pg_clipfrac_lower"}),
     )
 
     def columns(self) -> frozenset[str]:

@@ -72,17 +72,16 @@ class KLFamiliesGroup(MetricGroup):
     name = "kl_families"
     figures = (
         Figure("kl/k1", "mean(−x), x = new − old: k1 estimate of KL(old ‖ new) (AReaL kl_div_direct)", needs=(OLD,),
-               peers={"areal": _U + "compute_logp/kl_div_direct/avg", "verl": _RC + "kl"}),
-        Figure("kl/k2", "mean(x²/2): k2 estimate (AReaL kl_div_taylor)", needs=(OLD,),
-               peers={"areal": _U + "compute_logp/kl_div_taylor/avg"}),
+               peers={}),
+        Figure("kl/k2", "mean(x²/2): k2 estimate (AReaL kl_div_taylor)", needs=(OLD,)),
         Figure("kl/abs_diff_mean", "mean |new − old| (slime train_rollout_logprob_abs_diff)", needs=(OLD,),
-               peers={"areal": _U + "logp_abs_diff/avg", "trl": "sampling/sampling_logp_difference/mean"}),
+               peers={"areal": _U + "logp_abs_diff/avg"}),
         Figure("kl/abs_diff_max", "largest |new − old|", needs=(OLD,),
-               peers={"areal": _U + "logp_abs_diff/max", "trl": "sampling/sampling_logp_difference/max"}),
+               peers={"areal": _U + "logp_abs_diff/max"}),
         Figure("kl_ref/k1", "mean(−y), y = ref − new: k1 estimate of KL(new ‖ ref)", needs=(REF,)),
         Figure("kl_ref/k2", "mean(y²/2)", needs=(REF,)),
         Figure("kl_ref/k3", "mean(eʸ − 1 − y): k3 estimate of KL(new ‖ ref) (the usual KL penalty)", needs=(REF,),
-               peers={"verl": "actor/kl_loss", "trl": "kl"}),
+               peers={"verl": "actor/kl_loss"}),
     )
 
     def columns(self) -> frozenset[str]:
@@ -114,14 +113,10 @@ class DecoupledGroup(MetricGroup):
 
     name = "decoupled"
     figures = (
-        Figure("behave/imp_weight_mean", "mean exp(prox − old) (AReaL behave_imp_weight)", needs=(DECOUPLED,),
-               peers={"areal": _U + "behave_imp_weight/avg"}),
-        Figure("behave/imp_weight_min", "smallest behaviour weight", needs=(DECOUPLED,),
-               peers={"areal": _U + "behave_imp_weight/min"}),
-        Figure("behave/imp_weight_max", "largest behaviour weight", needs=(DECOUPLED,),
-               peers={"areal": _U + "behave_imp_weight/max"}),
-        Figure("behave/approx_kl", "mean(prox − old) (AReaL behave_approx_kl)", needs=(DECOUPLED,),
-               peers={"areal": _U + "behave_approx_kl/avg"}),
+        Figure("behave/imp_weight_mean", "mean exp(prox − old) (AReaL behave_imp_weight)", needs=(DECOUPLED,)),
+        Figure("behave/imp_weight_min", "smallest behaviour weight", needs=(DECOUPLED,)),
+        Figure("behave/imp_weight_max", "largest behaviour weight", needs=(DECOUPLED,)),
+        Figure("behave/approx_kl", "mean(prox − old) (AReaL behave_approx_kl)", needs=(DECOUPLED,)),
         Figure("rs/filtered_fraction", "valid tokens rejected (mask) or truncated (clamp)", reduce="fraction",
                needs=(DECOUPLED, REJECTION_SAMPLING), peers={"areal": _U + "rs_filtered_fraction"}),
         Figure("m2po/masked_fraction", "valid tokens M2PO masks over the whole dump", reduce="fraction",
@@ -172,34 +167,26 @@ class ImportanceGroup(MetricGroup):
 
     name = "importance"
     figures = (
-        Figure("ppl/new", "mean over sequences of exp(−mean new) (verl training_ppl)", reduce="sequence mean",
-               peers={"verl": _RC + "training_ppl"}),
-        Figure("is/mean", "mean w (1 when the sampler and trainer agree)", needs=(OLD,),
-               peers={"verl": _RC + "rollout_is_mean"}),
-        Figure("is/std", "std of w clamped to [1/C, C] (verl rollout_is_std)", needs=(OLD,),
-               peers={"verl": _RC + "rollout_is_std"}),
-        Figure("is/min", "smallest w", reduce="min", needs=(OLD,), peers={"verl": _RC + "rollout_is_min"}),
-        Figure("is/max", "largest w", reduce="max", needs=(OLD,), peers={"verl": _RC + "rollout_is_max"}),
-        Figure("is/ess", "effective sample size fraction 1/mean((w̃/mean w̃)²), w̃ = clamp(w, 1/C, C)", needs=(OLD,),
-               peers={"verl": _RC + "rollout_is_eff_sample_size"}),
-        Figure("is/frac_high", "fraction with w > C (--is-threshold)", needs=(OLD,),
-               peers={"verl": _RC + "rollout_is_ratio_fraction_high"}),
-        Figure("is/frac_low", "fraction with w < 1/C", needs=(OLD,),
-               peers={"verl": _RC + "rollout_is_ratio_fraction_low"}),
-        Figure("is/chi2_token", "mean(w²) − 1: token-level χ² divergence", needs=(OLD,),
-               peers={"verl": _RC + "chi2_token"}),
+        Figure("ppl/new", "mean over sequences of exp(−mean new) (verl training_ppl)", reduce="sequence mean"),
+        Figure("is/mean", "mean w (1 when the sampler and trainer agree)", needs=(OLD,)),
+        Figure("is/std", "std of w clamped to [1/C, C] (verl rollout_is_std)", needs=(OLD,)),
+        Figure("is/min", "smallest w", reduce="min", needs=(OLD,)),
+        Figure("is/max", "largest w", reduce="max", needs=(OLD,)),
+        Figure("is/ess", "effective sample size fraction 1/mean((w̃/mean w̃)²), w̃ = clamp(w, 1/C, C)", needs=(OLD,)),
+        Figure("is/frac_high", "fraction with w > C (--is-threshold)", needs=(OLD,)),
+        Figure("is/frac_low", "fraction with w < 1/C", needs=(OLD,)),
+        Figure("is/chi2_token", "mean(w²) − 1: token-level χ² divergence", needs=(OLD,)),
         Figure("is/chi2_seq", "mean over sequences of exp(2·clamp(Σ log w, ±20)) − 1", reduce="sequence mean",
-               needs=(OLD,), peers={"verl": _RC + "chi2_seq"}),
+               needs=(OLD,)),
         Figure("ppl/old", "mean over sequences of exp(−mean old) (verl rollout_ppl)", reduce="sequence mean",
-               needs=(OLD,), peers={"verl": _RC + "rollout_ppl"}),
+               needs=(OLD,)),
         Figure("ppl/log_diff_mean", "mean over sequences of (mean old − mean new) = log(ppl_new/ppl_old)",
-               reduce="sequence mean", needs=(OLD,), peers={"verl": _RC + "log_ppl_diff"}),
+               reduce="sequence mean", needs=(OLD,)),
         Figure("ppl/log_diff_abs_mean", "mean over sequences of |mean old − mean new|", reduce="sequence mean",
-               needs=(OLD,), peers={"verl": _RC + "log_ppl_abs_diff"}),
-        Figure("ppl/ratio", "mean over sequences of ppl_new / ppl_old", reduce="sequence mean", needs=(OLD,),
-               peers={"verl": _RC + "ppl_ratio"}),
+               needs=(OLD,)),
+        Figure("ppl/ratio", "mean over sequences of ppl_new / ppl_old", reduce="sequence mean", needs=(OLD,)),
         Figure("prob/pearson", "Pearson correlation of token probabilities e^new vs e^old", reduce="correlation",
-               needs=(OLD,), peers={"verl": "training/rollout_actor_probs_pearson_corr"}),
+               needs=(OLD,)),
         Figure("spikes/n_ratio_gt_1e3", "tokens with exp(new − old) > 1e3 (listed first in top_kl)", needs=(OLD,)),
     )
 
@@ -233,8 +220,8 @@ class DistributionGroup(MetricGroup):
     figures = (
         *(Figure(f"ratio/{q}", f"{label} quantile of the PPO ratio (histogram, see config)", needs=(BASE,))
           for q, label in ((q, _QUANTILE_LABELS[q]) for q in DEFAULT_QUANTILES)),
-        Figure("ratio/mean", "mean PPO ratio", needs=(BASE,), peers={"areal": _U + "importance_weight/avg"}),
-        Figure("ratio/min", "smallest PPO ratio", needs=(BASE,), peers={"areal": _U + "importance_weight/min"}),
+        Figure("ratio/mean", "mean PPO ratio", needs=(BASE,)),
+        Figure("ratio/min", "smallest PPO ratio", needs=(BASE,)),
         Figure("ratio/std", "std of the PPO ratio", needs=(BASE,)),
         Figure("ratio/hist", "log-spaced histogram of the PPO ratio (display)", needs=(BASE,)),
         *(Figure(f"abs_diff/{q}", f"{label} quantile of |new − old| (histogram, see config)", needs=(OLD,))
@@ -273,17 +260,15 @@ class StalenessGroup(MetricGroup):
 
     name = "staleness"
     figures = (
-        Figure("staleness/n_tokens", "valid generated tokens (versions ≥ 0)", needs=LAGS,
-               peers={"areal": _U + "version_stats/n_valid_generated_tokens"}),
-        *(Figure(f"staleness/{lag}_{ours}", meaning, needs=LAGS,
-                 peers={"areal": f"{_U}version_stats/sample_staleness_{lag}_{theirs}"})
-          for lag, ours, theirs, meaning in (
-              ("theta", "mean", "avg", "mean lag current − version (token-weighted)"),
-              ("theta", "min", "min", "smallest lag"),
-              ("theta", "max", "max", "largest lag"),
-              ("proximal", "mean", "avg", "mean current − 1 − version (lag behind the proximal policy)"),
-              ("proximal", "min", "min", "smallest proximal lag"),
-              ("proximal", "max", "max", "largest proximal lag"))),
+        Figure("staleness/n_tokens", "valid generated tokens (versions ≥ 0)", needs=LAGS),
+        *(Figure(f"staleness/{lag}_{ours}", meaning, needs=LAGS)
+          for lag, ours, meaning in (
+              ("theta", "mean", "mean lag current − version (token-weighted)"),
+              ("theta", "min", "smallest lag"),
+              ("theta", "max", "largest lag"),
+              ("proximal", "mean", "mean current − 1 − version (lag behind the proximal policy)"),
+              ("proximal", "min", "smallest proximal lag"),
+              ("proximal", "max", "largest proximal lag"))),
         Figure("staleness/hist", "tokens per lag", needs=LAGS),
         Figure("by_staleness", "per lag: tokens, kl/k3, clip/ratio, is/mean, abs_diff/mean", section="staleness",
                reduce="table", needs=LAGS),
@@ -335,7 +320,7 @@ class SequenceGroup(MetricGroup):
         Figure("adv/neg_frac", "fraction with A < 0", needs=(ADV,)),
         Figure("adv/zero_frac", "fraction with A = 0 (no policy-gradient signal)", needs=(ADV,)),
         Figure("reward/mean", "mean reward per sequence", reduce="sequence mean", needs=(REWARDS,),
-               peers={"areal": "ppo_actor/task_reward/avg", "verl": "critic/score/mean", "trl": "reward"}),
+               peers={"areal": "ppo_actor/task_reward/avg", "trl": "reward"}),
         Figure("reward/std", "std of the rewards", needs=(REWARDS,)),
         Figure("groups/n", "distinct group_id values", needs=(GROUPS,)),
         Figure("groups/zero_std_frac", "groups whose rewards are all equal (no learning signal)", needs=(GROUPS,),

@@ -40,6 +40,9 @@ SECTIONS: dict[str, str] = {
     "prox": "compare-prox: proximal approximation ℓp̂ vs the recomputed prox_logp ℓp* (valid generated tokens)",
     "kd": "Distillation against teacher_logp (AReaL joint KD)",
     "adv_check": "Advantage check: recomputed vs the dump's advantages (grpo-cli advantages)",
+    "verl": "verl's own definitions (--names verl): rollout correction, Pearson, critic/score",
+    "trl": "TRL's own definitions (--names trl): clip ratios, kl, vLLM importance sampling",
+    "areal": "AReaL's own definitions (--names areal): ppo_actor/update statistics",
     "other": "Other",
 }
 """Table titles, in the order the tables are shown."""

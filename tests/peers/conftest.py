@@ -179,12 +179,15 @@ def _load(peer_roots: dict[str, Path], modules: list[str]) -> list[ModuleType]:
 
 @pytest.fixture(scope="session")
 def verl(peer_roots: dict[str, Path]) -> SimpleNamespace:
-    """verl 0.9.1: ``core_algos`` (losses, agg_loss, kl_penalty, advantages) and ``rollout_corr_helper``."""
-    core_algos, rollout_corr, metric_utils = _load(
+    """verl 0.9.1: ``core_algos`` (losses, agg_loss, kl_penalty, advantages), ``rollout_corr_helper``,
+    ``metric_utils`` and ``utils.debug.metrics`` (the Pearson figure)."""
+    core_algos, rollout_corr, metric_utils, debug_metrics = _load(
         peer_roots,
-        ["verl.trainer.ppo.core_algos", "verl.trainer.ppo.rollout_corr_helper", "verl.trainer.ppo.metric_utils"],
+        ["verl.trainer.ppo.core_algos", "verl.trainer.ppo.rollout_corr_helper", "verl.trainer.ppo.metric_utils",
+         "verl.utils.debug.metrics"],
     )
-    return SimpleNamespace(core_algos=core_algos, rollout_corr=rollout_corr, metric_utils=metric_utils)
+    return SimpleNamespace(core_algos=core_algos, rollout_corr=rollout_corr, metric_utils=metric_utils,
+                           debug_metrics=debug_metrics)
 
 
 @pytest.fixture(scope="session")

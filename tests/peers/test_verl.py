@@ -234,3 +234,28 @@ def test_rollout_rejection_sampling(verl: SimpleNamespace, options: str, thresho
     for key, value in metrics.items():
         key_dtype = torch.float32 if "fraction" in key else dtype  # verl's float32 means of booleans
         close(value, m_peer[key], key_dtype, f"rollout_corr/{key}")
+
+
+def test_pearson_figure_under_names_verl(verl: SimpleNamespace, tmp_path, capsys) -> None:
+    # `analyze --names verl` shows training/rollout_actor_probs_pearson_corr from the recompute (prox_logp) against
+    # the rollout (old_logp); verl's own verl/utils/debug/metrics.py pearson_correlation_coefficient on the same.
+    import json
+
+    from reference import random_sequences, write_sequences
+
+    from grpo_cli.cli import main
+
+    seqs = random_sequences(20, seed=4, with_prox=True)
+    path = tmp_path / "d.parquet"
+    write_sequences(str(path), seqs, row_group_size=6)
+    assert main(["analyze", str(path), "--names", "verl", "-f", "json", "-q", "--batch-tokens", "9"]) == 0
+    ours = json.loads(capsys.readouterr().out)["metrics"]["training/rollout_actor_probs_pearson_corr"]
+    width = max(len(s.new) for s in seqs)
+
+    def pad(attr: str, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([list(getattr(s, attr)) + [0] * (width - len(s.new)) for s in seqs], dtype=dtype)
+
+    mask = pad("mask", torch.int64).bool()
+    peer = verl.debug_metrics.pearson_correlation_coefficient(torch.exp(pad("prox", torch.float64)),
+                                                 torch.exp(pad("old", torch.float64)), mask)
+    assert ours == pytest.approx(peer, rel=1e-9)
