@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from grpo_cli.core.batch import TokenBatch
 from grpo_cli.engine.run import run
 from grpo_cli.engine.validate import ValidationGroup
 from grpo_cli.errors import InputError, UsageError
+from grpo_cli.io.parquet_file import ColumnRewriter
 from grpo_cli.io.reader import RolloutDataset
 from grpo_cli.io.schema import COLUMNS, ColumnKind, Layout
 from grpo_cli.metrics.adv_check import (
@@ -84,37 +84,12 @@ class AdvantageCheckResult:
 
 
 
-class _RowSource:
-    """Rows ``[start, stop)`` of one Parquet file, row groups read lazily and dropped once passed."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.file = pq.ParquetFile(path, memory_map=True)
-        self.tables: list[tuple[int, pa.Table]] = []  # (first row, row group) still needed
-        self.next_group = 0
-        self.next_row = 0
-
-    def rows(self, start: int, stop: int) -> pa.Table:
-        self.tables = [(first, t) for first, t in self.tables if first + t.num_rows > start]
-        while self.next_row < stop:
-            table = self.file.read_row_group(self.next_group)
-            self.tables.append((self.next_row, table))
-            self.next_row += table.num_rows
-            self.next_group += 1
-        first = self.tables[0][0]
-        table = pa.concat_tables([t for _, t in self.tables]) if len(self.tables) > 1 else self.tables[0][1]
-        return table.slice(start - first, stop - start)
-
-
 class _Writer:
-    """Writes every input row, in order, to one Parquet file with the recomputed ``advantages`` column."""
+    """Writes every input row, in order, to one Parquet file with the recomputed ``advantages`` column (through the
+    io layer's :class:`~grpo_cli.io.parquet_file.ColumnRewriter`)."""
 
     def __init__(self, out: Path, dataset: RolloutDataset, column: str, cfg: AdvantageCheckConfig) -> None:
-        self.out, self.dataset, self.column = out, dataset, column
-        self.tmp = out.with_name(out.name + ".tmp")
-        self.sources: dict[int, _RowSource] = {}
-        self.writer: pq.ParquetWriter | None = None
-        self.schema: pa.Schema | None = None
+        self.out, self.dataset = out, dataset
         first = pq.read_schema(dataset.files[0])
         index = first.get_field_index(column)
         old_type = first.field(index).type if index >= 0 else None
@@ -124,19 +99,16 @@ class _Writer:
             old_type is not None and (pa.types.is_list(old_type) or pa.types.is_large_list(old_type))
         )
         self.per_token = per_token_column or cfg.estimator not in PER_SEQUENCE_ESTIMATORS
-        self.metadata = {b"grpo_cli.advantages": json.dumps(cfg.to_json()).encode()}
+        metadata = {b"grpo_cli.advantages": json.dumps(cfg.to_json()).encode()}
+        self.rewriter = ColumnRewriter(out, list(dataset.files), column, metadata)
 
     def write(self, batch: TokenBatch, expected: Tensor, per_sequence: Tensor | None) -> None:
-        source = self.sources.get(batch.file_index)
-        if source is None:
-            source = self.sources[batch.file_index] = _RowSource(self.dataset.files[batch.file_index])
         rows = batch.rows.cpu()
         start = int(rows[0]) if rows.numel() else 0
         if self.dataset.layout is Layout.TOKEN_PER_ROW:
             stop = start + batch.n_tokens
         else:
             stop = int(rows[-1]) + 1 if rows.numel() else start
-        table = source.rows(start, stop)
         np_type = "float64" if self.value_type == pa.float64() else "float32"
         if self.dataset.layout is Layout.TOKEN_PER_ROW:
             array: pa.Array = pa.array(expected.cpu().numpy().astype(np_type), self.value_type)
@@ -147,37 +119,15 @@ class _Writer:
         else:
             assert per_sequence is not None
             array = pa.array(per_sequence.cpu().numpy().astype(np_type), self.value_type)
-        index = table.schema.get_field_index(self.column)
-        if index >= 0:
-            table = table.set_column(index, pa.field(self.column, array.type), array)
-        else:
-            table = table.append_column(pa.field(self.column, array.type), array)
-        if self.writer is None:
-            metadata = dict(table.schema.metadata or {})
-            metadata.update(self.metadata)
-            self.schema = table.schema.with_metadata(metadata)
-            try:
-                self.writer = pq.ParquetWriter(self.tmp, self.schema)
-            except OSError as exc:
-                raise UsageError(f"--write {self.out}: cannot write ({exc.strerror or exc})") from None
-        assert self.schema is not None
         try:
-            table = table.cast(self.schema)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-            raise InputError(
-                f"--write: schema differs from the first file's ({exc})", file=str(source.path)
-            ) from None
-        self.writer.write_table(table)
+            self.rewriter.write(batch.file_index, start, stop, array)
+        except OSError as exc:
+            raise UsageError(f"--write {self.out}: cannot write ({exc.strerror or exc})") from None
+        except ValueError as exc:
+            raise InputError(f"--write: {exc}", file=str(self.dataset.files[batch.file_index])) from None
 
     def close(self, ok: bool) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        if ok and self.writer is not None:
-            os.replace(self.tmp, self.out)
-        elif self.tmp.exists():
-            self.tmp.unlink()
-
-
+        self.rewriter.close(ok)
 
 
 def _resolve_batch_by(dataset: RolloutDataset, cfg: AdvantageCheckConfig) -> str | None:

@@ -43,7 +43,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections.abc import Mapping
@@ -60,6 +59,7 @@ from torch import Tensor
 from grpo_cli import __version__
 from grpo_cli.core.packing import cu_seqlens_from_lengths, lengths_from_cu_seqlens, padded_to_packed
 from grpo_cli.io.align import unroll_next_token
+from grpo_cli.io.parquet_file import ColumnRewriter, ParquetFileOut
 from grpo_cli.io.schema import COLUMNS, SCHEMA_VERSION, ColumnKind
 
 __all__ = [
@@ -68,6 +68,8 @@ __all__ = [
     "SEQUENCE_INPUTS",
     "TOKEN_INPUTS",
     "WINDOWS",
+    "ColumnRewriter",
+    "ParquetFileOut",
     "RolloutWriter",
     "fast_write_options",
     "read_metadata",
@@ -374,7 +376,7 @@ class RolloutWriter:
         self._conventions: tuple[str, str] | None = None  # (source_alignment JSON, window)
         self._step: int | None = None
         self._seen_steps: dict[int, int] = {}
-        self._writer: pq.ParquetWriter | None = None
+        self._out: ParquetFileOut | None = None
         self._tmp: Path | None = None
         self._final: Path | None = None
         self._buffer: list[pa.RecordBatch] = []
@@ -630,10 +632,12 @@ class RolloutWriter:
         assert self._schema is not None and self._tmp is not None and self._step is not None
         table = pa.Table.from_batches(self._buffer, schema=self._schema)
         try:
-            if self._writer is None:
+            if self._out is None:
                 schema = self._schema.with_metadata(self._metadata(self._step))
-                self._writer = pq.ParquetWriter(self._tmp, schema, **fast_write_options(schema))
-            self._writer.write_table(table, row_group_size=max(table.num_rows, 1))
+                assert self._final is not None
+                self._out = ParquetFileOut(self._final, schema=schema, tmp=self._tmp, fsync=self.fsync,
+                                           **fast_write_options(schema))
+            self._out.write(table, row_group_size=max(table.num_rows, 1))
         except BaseException:
             self._abort()
             raise
@@ -645,18 +649,11 @@ class RolloutWriter:
             return
         try:
             self._write_row_group()
-            if self._writer is not None:
-                self._writer.close()
-                self._writer = None
-                assert self._tmp is not None and self._final is not None
-                if self.fsync:
-                    fd = os.open(self._tmp, os.O_RDONLY)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-                os.replace(self._tmp, self._final)
-                self.files.append(self._final)
+            if self._out is not None:
+                path = self._out.commit()
+                self._out = None
+                assert path is not None
+                self.files.append(path)
         except BaseException:
             self._abort()
             raise
@@ -666,10 +663,9 @@ class RolloutWriter:
 
     def _abort(self) -> None:
         """Drop the unfinished part file (nothing half-written is ever renamed into place)."""
-        if self._writer is not None:
-            with contextlib.suppress(Exception):  # the original error matters more
-                self._writer.close()
-            self._writer = None
+        if self._out is not None:
+            self._out.abort()
+            self._out = None
         if self._tmp is not None:
             self._tmp.unlink(missing_ok=True)
         self._buffer.clear()
