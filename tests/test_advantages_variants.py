@@ -84,6 +84,28 @@ def test_each_variant_is_found(capsys, tmp_path, configured, dump, expected):
     assert "variants" not in doc and "matching_variant" not in doc  # a match needs no search
 
 
+def test_per_token_group_statistics(capsys, tmp_path):
+    """AReaL's GRPO recipe normalises per token: a sequence weighs as many times as it has valid tokens."""
+    lengths = [3, 5, 2, 4, 1]  # valid tokens per sequence (after a 2-token prompt)
+    advs = []
+    for i, r in enumerate(REWARDS):
+        members = [j for j in range(5) if GROUPS[j] == GROUPS[i]]
+        n = sum(lengths[j] for j in members)
+        mu = sum(lengths[j] * REWARDS[j] for j in members) / n
+        sd = math.sqrt(sum(lengths[j] * (REWARDS[j] - mu) ** 2 for j in members) / (n - 1))
+        advs.append((r - mu) / (sd + 1e-5))  # AReaL Normalization's eps
+    seqs = [{"new": [-0.5] * (2 + k), "mask": [0, 0] + [1] * k, "reward": r, "group": g, "adv": a}
+            for k, r, g, a in zip(lengths, REWARDS, GROUPS, advs)]
+    path = tmp_path / "d.parquet"
+    write_dump(path, seqs)
+    code, doc = check(capsys, path, "--estimator", "grpo")
+    assert code == 0 and doc["metrics"]["adv_check/n_sequences_mismatch"] == 5
+    assert doc["matching_variant"] == {"options": "--estimator gae --adv-norm group", "estimator": "gae",
+                                       "adv_norm": "group"}
+    code, doc = check(capsys, path, "--estimator", "gae", "--adv-norm", "group", "--fail-on-mismatch")
+    assert code == 0 and doc["metrics"]["adv_check/max_abs_diff"] < 1e-6
+
+
 def test_settings_of_the_matching_variant(capsys, tmp_path):
     path = tmp_path / "d.parquet"
     write_dump(path, seqs_with(REWARDS, GROUPS, grpo(1e-4, biased=True)))
