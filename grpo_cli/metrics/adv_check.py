@@ -40,6 +40,8 @@ __all__ = [
 ]
 
 _F64 = torch.float64
+_EXACT = 1 << 53
+"""Integers the float64 sequence table holds exactly."""
 _SEQ_FIELDS = ("rewards", "response_len", "group_id", "batch_key", "eos")
 """Columns of the per-sequence table after its key ``file·2³² + row`` (float64: exact for ints below 2⁵³)."""
 
@@ -86,6 +88,11 @@ class AdvSequencesGroup(MetricGroup):
         return _SequenceTable(device)
 
     def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: Any) -> None:
+        for name in ("group_id", self.batch_by):
+            value = getattr(batch, name) if name else None
+            if value is not None and value.numel() and int(value.abs().max()) >= _EXACT:
+                raise InputError(f"{name} values of 2^53 or more are not supported by advantages (float64 table)",
+                                 column=name)
         keys = batch.sequence_keys()
         zeros = torch.zeros(batch.n_sequences, dtype=torch.int64, device=keys.device)
         columns = [
