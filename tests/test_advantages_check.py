@@ -604,3 +604,65 @@ def test_sample_data_uses_trls_epsilon(capsys):
     assert code == 0 and m["adv_check/max_abs_diff"] < 1e-6
     code, m = run_json(capsys, "advantages", sample, "--estimator", "grpo")
     assert m["adv_check/n_sequences_mismatch"] > 0 and 1e-3 < m["adv_check/max_abs_diff"] < 0.05
+
+
+# ==============================================================================================================
+# options from the engine: --workers, --on-invalid, --preset/--map
+# ==============================================================================================================
+
+
+@pytest.mark.parametrize("estimator", [["grpo"], ["gae", "--adv-norm", "group,leave1out"], ["reinforce_pp"]])
+def test_workers_give_the_same_bits(capsys, tmp_path, group_data, estimator):
+    rewards, groups = group_data
+    split_dump(tmp_path, rewards, groups, [0.25 * i for i in range(12)], steps=[i % 2 for i in range(12)])
+    docs = []
+    for workers in ("1", "3"):
+        code, out, err = run(capsys, "advantages", tmp_path, "--estimator", *estimator, "--workers", workers,
+                             "--batch-tokens", 4, "-f", "json")
+        assert code == 0, err
+        docs.append(json.loads(out))
+    assert docs[0]["metrics"] == docs[1]["metrics"]
+    assert docs[0]["metrics"]["adv_check/n_sequences"] == 12
+
+
+def test_on_invalid_skip_drops_a_sequence_from_every_pass(capsys, tmp_path):
+    # Sequence 2 (group 1) has a positive log-prob at a valid token: invalid input.
+    rewards, groups = [1.0, 0.0, 5.0, 3.0, 1.0], [0, 0, 1, 1, 1]
+    kept = [0, 1, 3, 4]
+    advs = [0.0] * 5
+    for i, a in zip(kept, grpo_ref([rewards[i] for i in kept], [groups[i] for i in kept])):
+        advs[i] = a  # group 1 without sequence 2: rewards 3, 1 → ±0.7071
+    seqs = seqs_with(rewards, groups, advs)
+    seqs[2]["new"] = [-0.5, -0.5, -0.5, 0.5, -0.5]
+    path = tmp_path / "bad.parquet"
+    write_dump(path, seqs)
+    code, out, err = run(capsys, "advantages", path, "--estimator", "grpo")
+    assert code == 2 and "new_logp" in err and "row 2" in err
+    code, out, err = run(capsys, "advantages", path, "--estimator", "grpo", "--on-invalid", "skip", "-f", "json",
+                         "--fail-on-mismatch")
+    assert code == 0, err
+    doc = json.loads(out)
+    m = doc["metrics"]
+    assert m["invalid/n_sequences_skipped"] == 1 and m["invalid/new_logp_positive"] == 1
+    assert m["adv_check/n_sequences"] == 4 and m["adv_check/n_sequences_mismatch"] == 0
+    assert doc["config"]["on_invalid"] == "skip"
+    assert "skipped" in err  # the warning every command prints
+    code, _, err = run(capsys, "advantages", path, "--estimator", "grpo", "--on-invalid", "skip",
+                       "--write", tmp_path / "o.parquet")
+    assert code == 2 and "--on-invalid error" in err
+
+
+def test_map_and_preset(capsys, tmp_path):
+    rewards, groups = [1.0, 0.0], [7, 7]
+    path = tmp_path / "d.parquet"
+    write_dump(path, seqs_with(rewards, groups, grpo_ref(rewards, groups)))
+    renamed = pq.read_table(path).rename_columns(
+        ["new_logp", "loss_mask", "score", "group_id", "adv", "extra_text"]
+    )
+    pq.write_table(renamed, tmp_path / "renamed.parquet")
+    code, m = run_json(capsys, "advantages", tmp_path / "renamed.parquet", "--estimator", "grpo",
+                       "--map", "rewards=score", "--map", "advantages=adv", "--fail-on-mismatch")
+    assert code == 0 and m["adv_check/n_sequences"] == 2
+    code, _, err = run(capsys, "advantages", path, "--estimator", "grpo", "--preset", "areal",
+                       "--write", tmp_path / "o.parquet")
+    assert code == 2 and "--preset" in err

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -329,3 +330,56 @@ def test_other_schema_columns_by_keyword(tmp_path):
     table = pq.read_table(w.files[0])
     assert table.column("teacher_logp").to_pylist() == [[-1.5, -2.5], [-3.5]]
     assert table.column("eos").to_pylist() == [1, 0]
+
+
+# -- the shared low-level writer (io/parquet_file.py) -----------------------------------------------------------
+
+
+def test_parquet_file_out_commits_atomically_and_aborts_cleanly(tmp_path):
+    from grpo_cli.io.writer import ParquetFileOut
+
+    table = pa.table({"x": pa.array([1.0, 2.0, 3.0], pa.float32())})
+    target = tmp_path / "t.parquet"
+    with ParquetFileOut(target, compression="zstd") as out:
+        out.write(table, row_group_size=2)
+        assert not target.exists() and out.tmp.exists() and out.tmp.name.startswith(".")
+    assert pq.read_table(target).equals(table)
+    assert pq.ParquetFile(target).metadata.num_row_groups == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.parquet"]
+    # Same bytes as pyarrow's one-shot writer with the same options.
+    pq.write_table(table, tmp_path / "ref.parquet", row_group_size=2, compression="zstd")
+    assert target.read_bytes() == (tmp_path / "ref.parquet").read_bytes()
+
+    failed = tmp_path / "f.parquet"
+    with pytest.raises(RuntimeError), ParquetFileOut(failed) as out:
+        out.write(table)
+        raise RuntimeError("boom")
+    assert not failed.exists() and not out.tmp.exists()
+    assert ParquetFileOut(tmp_path / "empty.parquet").commit() is None  # nothing written, nothing created
+    assert not (tmp_path / "empty.parquet").exists()
+
+
+def test_column_rewriter_replaces_one_column_across_files(tmp_path):
+    from grpo_cli.io.writer import ColumnRewriter
+
+    a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    pq.write_table(pa.table({"k": [0, 1, 2], "v": [0.5, 0.5, 0.5], "s": ["x", "y", "z"]}), a, row_group_size=2)
+    pq.write_table(pa.table({"k": [3, 4], "v": [0.5, 0.5], "s": ["u", "w"]}), b)
+    out = tmp_path / "out.parquet"
+    rewriter = ColumnRewriter(out, [a, b], "v", {b"note": b"1"})
+    rewriter.write(0, 0, 1, pa.array([10.0]))
+    rewriter.write(0, 1, 3, pa.array([11.0, 12.0]))  # spans a row-group boundary
+    rewriter.write(1, 0, 2, pa.array([13.0, 14.0]))
+    rewriter.close(True)
+    table = pq.read_table(out)
+    assert table.column("k").to_pylist() == [0, 1, 2, 3, 4]
+    assert table.column("v").to_pylist() == [10.0, 11.0, 12.0, 13.0, 14.0]
+    assert table.column("s").to_pylist() == ["x", "y", "z", "u", "w"]
+    assert table.schema.metadata[b"note"] == b"1"
+    # A column the files lack is appended; close(False) leaves nothing.
+    other = tmp_path / "other.parquet"
+    rewriter = ColumnRewriter(other, [b], "new", None)
+    rewriter.write(0, 0, 2, pa.array([1, 2]))
+    rewriter.close(False)
+    assert not other.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["a.parquet", "b.parquet",
+                                                                                "out.parquet"]

@@ -20,12 +20,17 @@ from grpo_cli.cli._options import (
     PathsArg,
     PresetOpt,
     QuietOpt,
+    WorkersOpt,
     check_device,
+    config_from,
     emit,
     one_of,
+    open_input,
+    resolve_workers,
+    warn_skipped,
     write_result,
 )
-from grpo_cli.errors import UsageError
+from grpo_cli.errors import EXIT_CHECK_FAILED, UsageError
 
 __all__ = ["advantages", "convert", "explain", "sample", "schema"]
 
@@ -160,64 +165,46 @@ def advantages(
     ] = "token",
     batch_tokens: BatchTokensOpt = DEFAULT_BATCH_TOKENS,
     device: DeviceOpt = "cpu",
+    workers: WorkersOpt = None,
+    on_invalid: OnInvalidOpt = "error",
     output_format: FormatOpt = "table",
     output: OutputOpt = None,
     column_map: MapOpt = None,
+    preset: PresetOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
-    """Recompute advantages from the rewards and compare them with the dump's (exit 1 with --fail-on-mismatch)."""
+    """Recompute advantages from the rewards and compare them with the dump's; on a mismatch, say which common
+    variant of the estimator matches (exit 1 with --fail-on-mismatch)."""
     from grpo_cli.commands.advantages import AdvantageCheckConfig, check_advantages, parse_norm_spec
-    from grpo_cli.errors import CheckFailed
-    from grpo_cli.io.reader import RolloutDataset
-    from grpo_cli.io.schema import parse_column_map
-    from grpo_cli.render.advantages import render_advantages_table
+    from grpo_cli.render.advantages import mismatch_line, render_advantages_table
     from grpo_cli.render.documents import json_document, to_csv
 
-    config = AdvantageCheckConfig(
-        estimator=estimator,
-        atol=atol,
-        rtol=rtol,
-        valid_only=valid_only,
-        top_k=top_k,
-        batch_by=batch_by,
-        reward_bias=reward_bias,
-        reward_scaling=reward_scaling,
-        reward_clip=reward_clip,
-        overlong_tokens=overlong_tokens,
-        overlong_penalty_factor=overlong_penalty_factor,
-        max_new_tokens=max_new_tokens,
+    config = config_from(
+        AdvantageCheckConfig,
+        locals(),
         reward_norm=parse_norm_spec(reward_norm, "--reward-norm"),
         adv_norm=parse_norm_spec(adv_norm, "--adv-norm"),
-        kl_ctl=kl_ctl,
-        kl_estimator=kl_estimator,
-        discount=discount,
-        gae_lambda=gae_lambda,
-        mask_no_eos_with_zero=mask_no_eos_with_zero,
-        std_eps=std_eps,
         std_unbiased=not std_biased,
-        rloo_singleton=rloo_singleton,
-        alignment=alignment,
-        batch_tokens=batch_tokens,
         device=check_device(device),
     )
     config.validate()
-    dataset = RolloutDataset(paths, parse_column_map(column_map))
-    result = check_advantages(dataset, config, write=write)
+    dataset = open_input(paths, column_map, preset)
+    result = check_advantages(dataset, config, write=write, workers=resolve_workers(workers, device))
+    warn_skipped(result.metrics)
     if write is not None and not quiet:
         typer.echo(f"wrote {write}", err=True)
     write_result(
         output_format,
         output,
         document=lambda: json_document(command="advantages", inputs=result.inputs, config=result.config,
-                                       metrics=result.metrics, omitted=result.omitted,
-                                       extra={"columns": result.columns, "written": result.written}),
+                                       metrics=result.metrics, omitted=result.omitted, extra=result.extra()),
         csv=lambda: to_csv(result.metrics),
         table=lambda console: render_advantages_table(console, result),
     )
     if fail_on_mismatch and result.mismatch:
-        n = result.metrics["adv_check/n_sequences_mismatch"]
-        raise CheckFailed(f"advantages: {n} sequence(s) differ from the recomputed {estimator} advantages "
-                          f"beyond atol={atol}, rtol={rtol}")
+        # A mismatch is the check's result, not a failure of the tool: one line (no "error:") and exit 1.
+        typer.echo(f"grpo-cli: advantages: {mismatch_line(result)}", err=True)
+        raise typer.Exit(EXIT_CHECK_FAILED)
 
 
 @app.command()

@@ -69,10 +69,10 @@ from os import PathLike
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from grpo_cli.commands._sample_model import TinyCausalLM
+from grpo_cli.io.parquet_file import ParquetFileOut
 
 __all__ = ["SAMPLE_SCHEMA", "generate_sample", "write_sample"]
 
@@ -394,10 +394,6 @@ def write_sample(
         "current_version",
         *(f"{n}.list.element" for n in ("input_ids", "loss_mask", "versions")),
     ]
-    pq.write_table(
-        table,
-        path,
-        row_group_size=row_group_size,
-        compression="zstd",
-        use_dictionary=dictionary,
-    )
+    # Written through the io layer's one Parquet writer: atomically (a temporary file renamed into place).
+    with ParquetFileOut(path, compression="zstd", use_dictionary=dictionary) as out:
+        out.write(table, row_group_size=row_group_size)

@@ -16,7 +16,28 @@ if TYPE_CHECKING:
 
     from grpo_cli.commands.advantages import AdvantageCheckResult
 
-__all__ = ["render_advantages_table"]
+__all__ = ["mismatch_line", "render_advantages_table"]
+
+
+def mismatch_line(result: AdvantageCheckResult) -> str:
+    """The verdict of a mismatching check in one line, with the variant that matches when one does."""
+    bad = result.metrics["adv_check/n_sequences_mismatch"]
+    total = result.metrics["adv_check/n_sequences_compared"]
+    config = result.config
+    line = (f"{bad:,} of {total:,} sequences differ from the recomputed {config['estimator']} advantages beyond "
+            f"atol={config['atol']}, rtol={config['rtol']}")
+    if result.matching_variant is not None:
+        return f"{line}; they match {_variant_words(result.matching_variant['options'])}"
+    if result.variants:
+        return f"{line}; no common variant matches either"
+    return line
+
+
+def _variant_words(options: str) -> str:
+    """``--estimator grpo --std-eps 1e-4`` → ``grpo with --std-eps 1e-4``."""
+    words = options.split()
+    estimator, rest = words[1], " ".join(words[2:])
+    return f"{estimator} with {rest}" if rest else estimator
 
 
 def render_advantages_table(console: Console, result: AdvantageCheckResult) -> None:
@@ -39,6 +60,14 @@ def render_advantages_table(console: Console, result: AdvantageCheckResult) -> N
                 *("–" if record[c] is None else str(record[c]) for c in ("group_id", "step")),
             )
         console.print(table)
+    if result.variants:
+        table = Table(title="Common variants of the estimator (same rewards and tolerance)", title_justify="left")
+        for column in ("options", "sequences mismatched", "tokens mismatched", "max_abs_diff"):
+            table.add_column(column, justify="left" if column == "options" else "right")
+        for variant in result.variants:
+            table.add_row(variant["options"], f"{variant['n_sequences_mismatch']:,}",
+                          f"{variant['n_tokens_mismatch']:,}", format_value(variant["max_abs_diff"]))
+        console.print(table)
     if "adv_check/n_sequences_mismatch" in result.metrics:
         bad = result.metrics["adv_check/n_sequences_mismatch"]
         total = result.metrics["adv_check/n_sequences_compared"]
@@ -48,5 +77,10 @@ def render_advantages_table(console: Console, result: AdvantageCheckResult) -> N
             else Text(f"OK: all {total:,} compared sequences agree", style="bold green")
         )
         console.print(verdict)
+        if result.matching_variant is not None:
+            options = result.matching_variant["options"]
+            console.print(Text(f"matches {_variant_words(options)} (rerun with {options})", style="bold"))
+        elif result.variants:
+            console.print(Text("no common variant of the estimator matches either", style="bold"))
     if result.written is not None:
         console.print(Text(f"wrote {result.written}", style="dim"))
