@@ -13,7 +13,7 @@ import torch
 from reference import random_sequences, write_sequences
 
 from grpo_cli.cli import main
-from grpo_cli.commands.diff import change_interval, findings_only_in
+from grpo_cli.commands.diff import change_interval, findings_only_in, t_critical
 from grpo_cli.core.state import MetricState, count, total
 from grpo_cli.engine.blocks import jackknife_variances, leave_one_out
 
@@ -59,7 +59,7 @@ def test_known_difference_is_flagged(capsys, tmp_path, steps):
     # Ranked: significant first, by how far beyond noise.
     flags = [f["significant"] for f in doc["figures"]]
     assert flags == sorted(flags, reverse=True)
-    scores = [f["z_score"] for f in doc["figures"] if f["significant"]]
+    scores = [f["z_score"] / f["critical"] for f in doc["figures"] if f["significant"]]
     assert scores == sorted(scores, reverse=True)
     assert "kl/abs_diff_mean" in [f["key"] for f in doc["figures"][:10]]
     # Both split by step: the per-step series side by side.
@@ -132,11 +132,24 @@ def test_findings_only_in_one_run():
 
 
 def test_change_interval():
-    assert change_interval(1.0, 1.5, 0.01, 0.0, z=3.0) == (0.5, 0.2, 0.8, True, pytest.approx(5.0))
-    _change, low, high, significant, z = change_interval(1.0, 1.1, 0.01, 0.0, z=3.0)
-    assert low < 0 < high and not significant and z == pytest.approx(1.0)
-    assert change_interval(1.0, 2.0, None, 0.1)[1:] == (None, None, False, None)
-    assert change_interval(1.0, 2.0, 0.0, 0.0)[1:] == (None, None, False, None)  # no spread: no verdict
+    c = change_interval(1.0, 1.5, 0.01, 0.0, z=3.0)
+    assert (c.change, c.low, c.high, c.significant, c.critical) == (0.5, 0.2, 0.8, True, 3.0)
+    assert c.z_score == pytest.approx(5.0)
+    c = change_interval(1.0, 1.1, 0.01, 0.0, z=3.0)
+    assert c.low < 0 < c.high and not c.significant and c.z_score == pytest.approx(1.0)
+    assert change_interval(1.0, 2.0, None, 0.1)[1:] == (None, None, False, None, None)
+    assert change_interval(1.0, 2.0, 0.0, 0.0)[1:] == (None, None, False, None, None)  # no spread: no verdict
+    # Few blocks: the interval widens (Student's t), so a 3.5 s.e. change is noise with 5 + 5 blocks only.
+    assert change_interval(0.0, 0.35, 0.005, 0.005, z=3.0).significant
+    few = change_interval(0.0, 0.35, 0.005, 0.005, z=3.0, dof_base=4, dof_new=4)
+    assert not few.significant and few.critical > 4
+
+
+def test_t_critical_matches_tables():
+    # Student's t quantiles at Φ(3) (solved with mpmath's regularised incomplete beta function).
+    for dof, exact in ((4, 6.6202), (5, 5.5071), (7, 4.53), (10, 3.9569), (20, 3.4222), (60, 3.1299)):
+        assert t_critical(3.0, dof) == pytest.approx(exact, rel=0.01), dof
+    assert t_critical(3.0, math.inf) == 3.0
 
 
 class _Mean:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from grpo_cli.core.state import MetricState
 from grpo_cli.engine.blocks import DEFAULT_BLOCKS, jackknife_variances, merge_contiguous
@@ -32,6 +32,7 @@ __all__ = [
     "MAX_STEP_BLOCKS",
     "MIN_STEP_BLOCKS",
     "NON_SMOOTH",
+    "Change",
     "DiffConfig",
     "DiffResult",
     "FigureChange",
@@ -41,6 +42,7 @@ __all__ = [
     "diff_results",
     "findings_only_in",
     "measure",
+    "t_critical",
 ]
 
 DEFAULT_Z = 3.0
@@ -123,11 +125,20 @@ class FigureChange:
     rel_change: float | None = None
     note: str | None = None
     """Why there is no interval, when there is none."""
+    critical: float | None = None
+    """The multiplier of the standard error the interval used (``z`` widened for few blocks)."""
+
+    @property
+    def beyond(self) -> float:
+        """``|change|`` in interval half-widths (``> 1``: significant; 0 without an interval)."""
+        if self.z_score is None or not self.critical:
+            return 0.0
+        return self.z_score / self.critical
 
     def to_json(self) -> dict[str, Any]:
         return {"key": self.key, "base": self.base, "new": self.new, "change": self.change, "low": self.low,
                 "high": self.high, "significant": self.significant, "z_score": self.z_score,
-                "rel_change": self.rel_change, "note": self.note}
+                "critical": self.critical, "rel_change": self.rel_change, "note": self.note}
 
 
 @dataclass
@@ -170,29 +181,75 @@ def _scalar(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def change_interval(
-    base: float, new: float, var_base: float | None, var_new: float | None, z: float = DEFAULT_Z
-) -> tuple[float, float | None, float | None, bool, float | None]:
-    """``(change, low, high, significant, z_score)`` for ``new − base`` with the runs' variances of the figure.
+class Change(NamedTuple):
+    """``new − base`` with its interval (:func:`change_interval`)."""
 
-    The runs are independent, so the change's variance is the sum. Without a variance for either run there is no
-    interval (``low``/``high``/``z_score`` ``None``, not significant), nor when neither run's figure spreads across
-    blocks (a constant, or a quantile on one histogram bin). ``check --baseline`` and ``diff`` share it.
+    change: float
+    low: float | None
+    high: float | None
+    significant: bool
+    z_score: float | None
+    """``|change| / se``: the change in standard errors (``None`` without an interval)."""
+    critical: float | None
+    """The multiplier of ``se`` the interval used (Student's t equivalent of ``z``)."""
+
+
+def t_critical(z: float, dof: float) -> float:
+    """Student's t quantile with ``dof`` degrees of freedom at the normal's ``Φ(z)``: the multiplier that keeps
+    a ``±z`` interval's coverage when the standard error comes from few blocks.
+
+    Cornish-Fisher expansion (Abramowitz & Stegun 1964, 26.7.5), within 1 % of the exact quantile for
+    ``z ≤ 4`` and ``dof ≥ 4``; ``inf`` degrees of freedom give ``z``.
+
+    Example:
+        >>> round(t_critical(3.0, math.inf), 6), round(t_critical(3.0, 19), 2)
+        (3.0, 3.45)
+    """
+    if math.isinf(dof):
+        return z
+    g1 = (z**3 + z) / 4
+    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+    g4 = (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160
+    return z + g1 / dof + g2 / dof**2 + g3 / dof**3 + g4 / dof**4
+
+
+def change_interval(
+    base: float,
+    new: float,
+    var_base: float | None,
+    var_new: float | None,
+    z: float = DEFAULT_Z,
+    *,
+    dof_base: float = math.inf,
+    dof_new: float = math.inf,
+) -> Change:
+    """``new − base`` and its interval ``change ± t·se``, ``se = √(var_base + var_new)`` (the runs are independent).
+
+    ``dof_*`` are the variances' degrees of freedom (a jackknife over K blocks: K − 1); the change's follow
+    Welch–Satterthwaite (Welch 1947) and ``t = t_critical(z, dof)``, so a few blocks widen the interval instead of
+    flagging noise. Without a variance for either run there is no interval (``low``/``high``/``z_score`` ``None``,
+    not significant), nor when neither run's figure spreads across blocks (a constant, or a quantile on one
+    histogram bin). ``check --baseline`` and ``diff`` share it.
 
     Example:
         >>> change_interval(1.0, 1.5, 0.01, 0.0, z=3.0)
-        (0.5, 0.2, 0.8, True, 5.0)
+        Change(change=0.5, low=0.2, high=0.8, significant=True, z_score=5.0, critical=3.0)
     """
     change = new - base
     if var_base is None or var_new is None:
-        return change, None, None, False, None
-    se = math.sqrt(max(var_base, 0.0) + max(var_new, 0.0))
+        return Change(change, None, None, False, None, None)
+    var_base, var_new = max(var_base, 0.0), max(var_new, 0.0)
+    se = math.sqrt(var_base + var_new)
     if se == 0.0:
         # No spread across blocks in either run: a constant, or a figure that moves in steps (a quantile read off
         # a histogram's bins) where the jackknife says nothing (Efron 1982 §3.4). No interval, never flagged.
-        return change, None, None, False, None
-    low, high = change - z * se, change + z * se
-    return change, round(low, 15), round(high, 15), low > 0.0 or high < 0.0, abs(change) / se
+        return Change(change, None, None, False, None, None)
+    spread = var_base**2 / dof_base + var_new**2 / dof_new
+    dof = (var_base + var_new) ** 2 / spread if spread > 0 else math.inf
+    critical = t_critical(z, dof)
+    low, high = change - critical * se, change + critical * se
+    return Change(change, round(low, 15), round(high, 15), low > 0.0 or high < 0.0, abs(change) / se, critical)
 
 
 def _finding_id(finding: Mapping[str, Any]) -> tuple[str, str]:
@@ -266,16 +323,17 @@ def diff_results(base: RunFigures, new: RunFigures, config: DiffConfig) -> DiffR
         if key not in base_keys or key not in new_keys:
             continue
         b, n = float(base.result.metrics[key]), float(new.result.metrics[key])
-        change, low, high, significant, z_score = change_interval(
-            b, n, base.variances.get(key), new.variances.get(key), config.z
-        )
-        rel = change / abs(b) if b != 0.0 else None
+        c = change_interval(b, n, base.variances.get(key), new.variances.get(key), config.z,
+                            dof_base=base.n_blocks - 1, dof_new=new.n_blocks - 1)
+        rel = c.change / abs(b) if b != 0.0 else None
         note = base.no_interval.get(key) or new.no_interval.get(key)
-        if note is None and low is None:
+        if note is None and c.low is None:
             note = ("no spread across blocks in either run" if key in base.variances and key in new.variances
                     else "a leave-one-block-out value was not finite")
-        figures.append(FigureChange(key, b, n, change, low, high, significant, z_score, rel, note))
-    figures.sort(key=lambda f: (not f.significant, f.z_score is None, -(f.z_score or 0.0), f.key))
+        figures.append(FigureChange(key, b, n, c.change, c.low, c.high, c.significant, c.z_score, rel, note,
+                                    c.critical))
+    # Ranked by how far beyond noise: the change in interval half-widths (> 1 is significant).
+    figures.sort(key=lambda f: (not f.significant, f.z_score is None, -f.beyond, f.key))
     only_in = {"base": sorted(base_keys - new_keys), "new": sorted(new_keys - base_keys)}
     findings: list[dict[str, Any]] = []
     base_findings = getattr(base.result, "findings", None)

@@ -95,7 +95,7 @@ def render_diff(console: Console, result: DiffResult, *, show_all: bool = False,
     series of the top ``trends`` figures side by side when both runs have steps."""
     base, new = result.base, result.new
     console.print(f"[bold]grpo-cli diff[/bold]: {new.label} vs {base.label} (change = {new.label} − {base.label}; "
-                  f"interval ±{format_value(result.z)} jackknife s.e.)")
+                  f"interval ±{format_value(result.z)} jackknife s.e., widened by Student's t for few blocks)")
     for run in (base, new):
         console.print(f"  {run.label}: {', '.join(run.result.inputs)} ({run.n_blocks} {run.blocking} blocks)")
     if result.findings:
@@ -116,9 +116,9 @@ def render_diff(console: Console, result: DiffResult, *, show_all: bool = False,
     table.add_column("figure", style="cyan", no_wrap=True)
     table.add_column(base.label, justify="right", no_wrap=True)
     table.add_column(new.label, justify="right", no_wrap=True)
-    for column in ("change", "rel", "interval of change", "z"):
+    for column in ("change", "rel", "interval of change", "s.e."):
         table.add_column(column, justify="right", no_wrap=True)
-    table.caption = "* beyond noise: the interval excludes 0"
+    table.caption = "s.e.: |change| in standard errors; * beyond noise: the interval excludes 0"
     table.caption_justify = "left"
     for figure in shown:
         rel = "" if figure.rel_change is None else f"{figure.rel_change * 100:+.1f}%"
