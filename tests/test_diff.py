@@ -198,3 +198,24 @@ def test_blocks_do_not_depend_on_batching(tmp_path):
     assert counts[0] == counts[1]
     assert len(counts[0]) == 8 and sum(counts[0].values()) == N_SEQ
     assert all(n % 4 == 0 for n in counts[0].values())  # group_id = index // 4: a prompt group stays in one block
+
+
+def test_report_compare_draws_the_base_run_on_every_trend_chart(capsys, tmp_path):
+    import html as html_lib
+    import re
+
+    base = dump(tmp_path, "base", 1)
+    new = dump(tmp_path, "new", 2, spread=0.6)
+    page_path = tmp_path / "r.html"
+    code, _, err = run(capsys, "report", new, "--compare", base, "-o", page_path, "-q")
+    assert code == 0, err
+    page = page_path.read_text()
+    match = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', page, re.S)
+    data = json.loads(html_lib.unescape(match.group(1)))
+    compare = data["compare"]
+    assert compare["label"] == "base" and compare["analyze"]["inputs"] == [str(base)]
+    assert compare["per_step"]["keys"] == list(range(8))
+    # The base's figures are analyze's, with the report's options.
+    doc = json.loads(run(capsys, "analyze", base, "-f", "json", "--top-k", "0")[1])
+    assert compare["analyze"]["metrics"]["kl/abs_diff_mean"] == doc["metrics"]["kl/abs_diff_mean"]
+    assert "kl/k3 (base)" in page  # a dashed base line in the legend of the KL chart
