@@ -219,3 +219,18 @@ def test_report_compare_draws_the_base_run_on_every_trend_chart(capsys, tmp_path
     doc = json.loads(run(capsys, "analyze", base, "-f", "json", "--top-k", "0")[1])
     assert compare["analyze"]["metrics"]["kl/abs_diff_mean"] == doc["metrics"]["kl/abs_diff_mean"]
     assert "kl/k3 (base)" in page  # a dashed base line in the legend of the KL chart
+
+
+def test_check_baseline_records_the_change_as_diff_computes_it(capsys, tmp_path):
+    base = dump(tmp_path, "base", 1)
+    new = dump(tmp_path, "new", 2, spread=0.6)
+    code, out, _ = run(capsys, "analyze", base, "-f", "json")
+    baseline = tmp_path / "base.json"
+    baseline.write_text(out)
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[rule]]\nmetric = "kl/abs_diff_mean"\nmax_rel_increase = 0.5\n')
+    code, out, _ = run(capsys, "check", new, "--rules", rules, "--baseline", baseline, "-f", "json")
+    rule = next(r for r in json.loads(out)["rules"] if r["metric"] == "kl/abs_diff_mean")
+    assert code == 1 and rule["status"] == "fail"
+    assert rule["change"] == pytest.approx(rule["value"] - rule["baseline"])
+    assert rule["rel_change"] == pytest.approx(rule["change"] / abs(rule["baseline"]))

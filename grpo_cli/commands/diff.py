@@ -42,6 +42,7 @@ __all__ = [
     "diff_results",
     "findings_only_in",
     "measure",
+    "relative_change",
     "t_critical",
 ]
 
@@ -214,6 +215,18 @@ def t_critical(z: float, dof: float) -> float:
     return z + g1 / dof + g2 / dof**2 + g3 / dof**3 + g4 / dof**4
 
 
+def relative_change(base: float, new: float) -> tuple[float, float | None]:
+    """``(new − base, (new − base) / |base|)``, the relative change ``None`` when ``base`` is 0: the change
+    ``diff`` reports and ``check --baseline`` records for a rule (one definition for both).
+
+    Example:
+        >>> relative_change(2.0, 3.0), relative_change(0.0, 1.0)
+        ((1.0, 0.5), (1.0, None))
+    """
+    change = new - base
+    return change, (change / abs(base) if base != 0.0 else None)
+
+
 def change_interval(
     base: float,
     new: float,
@@ -236,7 +249,7 @@ def change_interval(
         >>> change_interval(1.0, 1.5, 0.01, 0.0, z=3.0)
         Change(change=0.5, low=0.2, high=0.8, significant=True, z_score=5.0, critical=3.0)
     """
-    change = new - base
+    change, _ = relative_change(base, new)
     if var_base is None or var_new is None:
         return Change(change, None, None, False, None, None)
     var_base, var_new = max(var_base, 0.0), max(var_new, 0.0)
@@ -325,7 +338,7 @@ def diff_results(base: RunFigures, new: RunFigures, config: DiffConfig) -> DiffR
         b, n = float(base.result.metrics[key]), float(new.result.metrics[key])
         c = change_interval(b, n, base.variances.get(key), new.variances.get(key), config.z,
                             dof_base=base.n_blocks - 1, dof_new=new.n_blocks - 1)
-        rel = c.change / abs(b) if b != 0.0 else None
+        _, rel = relative_change(b, n)
         note = base.no_interval.get(key) or new.no_interval.get(key)
         if note is None and c.low is None:
             note = ("no spread across blocks in either run" if key in base.variances and key in new.variances
