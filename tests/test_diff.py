@@ -180,22 +180,25 @@ def test_jackknife_of_a_mean_is_the_classic_formula():
 
 
 def test_blocks_do_not_depend_on_batching(tmp_path):
-    # A sequence's block is a hash of where it is in the dump (its prompt group), never of the batch it came in.
+    # A sequence's block is a hash of where it is in the dump (its prompt group), never of the batch it came in
+    # or of the process that read it.
     from grpo_cli.commands.diff import DiffConfig
     from grpo_cli.engine.parallel import accumulate
     from grpo_cli.io.reader import RolloutDataset
     from grpo_cli.metrics import default_groups
 
-    path = dump(tmp_path, "d", 1, steps=False)
+    seqs = random_sequences(N_SEQ, 1)
+    path = tmp_path / "d.parquet"
+    write_sequences(str(path), seqs, row_group_size=8)  # several units, so two workers share the dump
     counts = []
-    for batch_tokens in (200, 1 << 20):
+    for batch_tokens, workers in ((200, 1), (1 << 20, 1), (200, 2)):
         config = DiffConfig(batch_tokens=batch_tokens, hash_blocks=8)
         groups = default_groups()
-        acc = accumulate(RolloutDataset([str(path)]), config, groups, workers=1)
+        acc = accumulate(RolloutDataset([str(path)]), config, groups, workers=workers)
         index = next(i for i, g in enumerate(groups) if "n_sequences" in g.expected_keys(config))
         counts.append({key: int(groups[index].compute(states[index], config)["n_sequences"])
                        for key, states in acc.by_key.items()})
-    assert counts[0] == counts[1]
+    assert counts[0] == counts[1] == counts[2]
     assert len(counts[0]) == 8 and sum(counts[0].values()) == N_SEQ
     assert all(n % 4 == 0 for n in counts[0].values())  # group_id = index // 4: a prompt group stays in one block
 
