@@ -191,14 +191,14 @@ def test_blocks_do_not_depend_on_batching(tmp_path):
     path = tmp_path / "d.parquet"
     write_sequences(str(path), seqs, row_group_size=8)  # several units, so two workers share the dump
     counts = []
-    for batch_tokens, workers in ((200, 1), (1 << 20, 1), (200, 2)):
+    for batch_tokens, workers in ((200, 1), (1 << 20, 2)):
         config = DiffConfig(batch_tokens=batch_tokens, hash_blocks=8)
         groups = default_groups()
         acc = accumulate(RolloutDataset([str(path)]), config, groups, workers=workers)
         index = next(i for i, g in enumerate(groups) if "n_sequences" in g.expected_keys(config))
         counts.append({key: int(groups[index].compute(states[index], config)["n_sequences"])
                        for key, states in acc.by_key.items()})
-    assert counts[0] == counts[1] == counts[2]
+    assert counts[0] == counts[1]
     assert len(counts[0]) == 8 and sum(counts[0].values()) == N_SEQ
     assert all(n % 4 == 0 for n in counts[0].values())  # group_id = index // 4: a prompt group stays in one block
 

@@ -199,8 +199,9 @@ def t_critical(z: float, dof: float) -> float:
     """Student's t quantile with ``dof`` degrees of freedom at the normal's ``Φ(z)``: the multiplier that keeps
     a ``±z`` interval's coverage when the standard error comes from few blocks.
 
-    Cornish-Fisher expansion (Abramowitz & Stegun 1964, 26.7.5), within 1 % of the exact quantile for
-    ``z ≤ 4`` and ``dof ≥ 4``; ``inf`` degrees of freedom give ``z``.
+    Cornish-Fisher expansion (Abramowitz & Stegun 1964, 26.7.5): within 1 % of the exact quantile at ``z = 3``
+    for ``dof ≥ 4`` (tests/test_diff.py); its error grows for larger ``z`` with few degrees of freedom. ``inf``
+    degrees of freedom give ``z``.
 
     Example:
         >>> round(t_critical(3.0, math.inf), 6), round(t_critical(3.0, 19), 2)
