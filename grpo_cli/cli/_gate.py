@@ -204,6 +204,11 @@ def report(
     device: DeviceOpt = "cpu",
     column_map: MapOpt = None,
     preset: PresetOpt = None,
+    compare: Annotated[
+        list[str] | None,
+        typer.Option("--compare", help="A base run (file, directory or quoted glob; repeatable) analysed with the "
+                     "same options and drawn dashed on every trend chart (docs/diff.md)."),
+    ] = None,
     quiet: QuietOpt = False,
 ) -> None:
     """One self-contained offline HTML page: per-step trends, distributions, staleness, compare-prox and the
@@ -238,7 +243,8 @@ def report(
     dataset = open_input(paths, column_map, preset)
     with progress_bar(dataset.n_tokens, quiet) as progress:
         result = build_report(dataset, rule_sets, analyze_config, prox_config, require_valid=require_valid,
-                              progress=progress, preset=preset)
+                              progress=progress, preset=preset,
+                              baseline=open_input(compare, column_map, preset) if compare else None)
     warn_skipped(result.analysis.metrics)
     page = render_html(result)
     emit(page, output)

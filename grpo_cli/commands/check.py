@@ -609,6 +609,10 @@ class RuleResult:
     low: float | None = None
     high: float | None = None
     baseline: float | None = None
+    change: float | None = None
+    """``value − baseline`` with a baseline, computed as ``diff`` does
+    (:func:`~grpo_cli.commands.diff.relative_change`); ``rel_change`` divides it by ``|baseline|``."""
+    rel_change: float | None = None
     message: str = ""
     n_groups: int | None = None
     violations: list[dict[str, Any]] = field(default_factory=list)
@@ -635,6 +639,8 @@ class RuleResult:
             "limits": {"min": self.low, "max": self.high},
             "bounds": rule.bounds_json(),
             "baseline": self.baseline,
+            "change": self.change,
+            "rel_change": self.rel_change,
             "per": rule.per,
             "group": self.group,
             "n_groups": self.n_groups,
@@ -696,6 +702,10 @@ def evaluate_rule(
     excess = [_excess(value, low, high) for _, value in candidates]
     worst = max(range(len(candidates)), key=lambda i: excess[i])  # first of equals: the smallest group key
     result.group, result.value = candidates[worst]
+    if base is not None and _is_number(result.value):
+        from grpo_cli.commands.diff import relative_change
+
+        result.change, result.rel_change = relative_change(float(base), float(result.value))
     violated = [i for i in sorted(range(len(candidates)), key=lambda i: -excess[i]) if excess[i] > 0]
     if rule.per is not None:
         result.n_groups = len(candidates)

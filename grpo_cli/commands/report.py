@@ -50,6 +50,7 @@ class Report:
         checks: ``(label, report)`` per rule set: ``sanity`` (always) and ``rules`` (``--rules`` files).
         group_by_unavailable: why there are no per-step figures, or ``None``.
         preset: the ``--preset`` the dump was read with, or ``None``.
+        baseline: ``--compare``'s run (see the attribute).
     """
 
     analysis: AnalysisResult
@@ -59,6 +60,10 @@ class Report:
     tolerance: float
     group_by_unavailable: str | None = None
     preset: str | None = None
+    baseline: AnalysisResult | None = None
+    """``report --compare BASE``: the base run's ``analyze`` result with the same options, grouped by
+    :data:`TREND_GROUP_BY` when it has that column (drawn on every trend chart)."""
+    baseline_label: str = "base"
 
     @property
     def group_by(self) -> str | None:
@@ -182,8 +187,12 @@ def build_report(
     progress: Callable[[int], None] | None = None,
     preset: str | None = None,
     findings: DetectConfig | None = None,
+    baseline: RolloutDataset | None = None,
 ) -> Report:
     """Run the passes a report needs and evaluate every rule set on their figures.
+
+    ``baseline`` (``report --compare``) is another run analysed with the same options; its per-step figures are
+    drawn on every trend chart.
 
     Raises:
         UsageError, InputError: as ``analyze`` / ``check`` (exit 2).
@@ -219,8 +228,14 @@ def build_report(
                                 require_valid=require_valid, extra_groups=extra_groups))
         for label, rule_set in rule_sets
     ]
+    base_analysis = None
+    if baseline is not None:
+        # The same options as this run's pass, so the base's lines on the charts are the same figures.
+        base_group_by = TREND_GROUP_BY if TREND_GROUP_BY in baseline.columns else None
+        base_analysis = analyze(baseline, replace(analyze_config, group_by=base_group_by, top_k=0))
     return Report(
         analysis=analysis,
+        baseline=base_analysis,
         prox=prox,
         prox_unavailable=prox_unavailable,
         checks=checks,

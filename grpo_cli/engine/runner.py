@@ -12,6 +12,7 @@ import torch
 
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.state import MetricState
+from grpo_cli.engine.blocks import block_keys
 from grpo_cli.engine.config import StreamConfig
 from grpo_cli.engine.group import Accumulator, MetricGroup, per_key
 from grpo_cli.engine.stream import streamed
@@ -137,6 +138,8 @@ def accumulate_states(
         if config.group_by not in dataset.columns:
             raise UsageError(f"--group-by {config.group_by}: the dump has no '{config.group_by}' column")
         wanted.add(config.group_by)
+    if _blocks(config) and "group_id" in dataset.columns:
+        wanted.add("group_id")  # block_keys keeps a prompt's group in one block
     # Validation sits between the reader and every group (io/validate.py): it sees the raw loss-mask values, and
     # under --on-invalid skip it drops sequences before any figure (or group_by key) sees them.
     validator = BatchValidator.for_dataset(dataset, config.on_invalid, config.current_version)
@@ -166,9 +169,10 @@ def _update_batch(
         batch = batch.to(device, non_blocking=True)
     batch = validator(batch, skip_counts)
     runner.update(groups, acc.overall, batch, config)
-    if config.group_by is None:
+    blocks = _blocks(config)
+    if config.group_by is None and not blocks:
         return
-    keys = getattr(batch, config.group_by)
+    keys = block_keys(batch, blocks) if blocks else getattr(batch, config.group_by)
     keyed = per_key(groups)
     for key in torch.unique(keys).tolist():
         if key not in acc.by_key:
@@ -176,3 +180,9 @@ def _update_batch(
                 raise UsageError(f"--group-by {config.group_by}: more than {config.max_groups} distinct values")
             acc.by_key[key] = [group.init_state(config, device) for group in keyed]
         runner.update(keyed, acc.by_key[key], batch.select_sequences(keys == key), config)
+
+
+def _blocks(config: StreamConfig) -> int:
+    # A config with ``hash_blocks`` > 0 (``diff``'s) splits by a hash block per sequence instead of ``group_by``
+    # (grpo_cli.engine.blocks); the other commands' configs have no such field.
+    return int(getattr(config, "hash_blocks", 0) or 0)

@@ -130,8 +130,12 @@ def trend_chart(
     ylabel: str,
     xlabel: str = "step",
     hline: tuple[float, str] | None = None,
+    base_x: Sequence[int] = (),
+    base_series: Mapping[str, Sequence[float | None]] | None = None,
+    base_label: str = "base",
 ) -> str:
-    """Lines of ``series`` (label → one value per ``x``; ``None`` leaves a gap) over ``x``."""
+    """Lines of ``series`` (label → one value per ``x``; ``None`` leaves a gap) over ``x``; with ``base_series``
+    (``report --compare``), the base run's lines of the same labels over ``base_x``, dashed in the same colours."""
     from matplotlib import rc_context
     from matplotlib.ticker import StrMethodFormatter
 
@@ -140,7 +144,11 @@ def trend_chart(
         ax = fig.add_subplot()
         marker = "o" if len(x) <= 30 else None
         for label, values in series.items():
-            ax.plot(list(x), _nan(values), label=label, marker=marker, markersize=3)
+            (line,) = ax.plot(list(x), _nan(values), label=label, marker=marker, markersize=3)
+            if base_series is not None and label in base_series:
+                ax.plot(list(base_x), _nan(base_series[label]), label=f"{label} ({base_label})", color=line.get_color(),
+                        linestyle="--", linewidth=1.0, alpha=0.8)
+        n_base = sum(1 for label in series if base_series is not None and label in base_series)
         if hline is not None:
             ax.axhline(hline[0], color="#555555", linestyle="--", linewidth=0.9, label=hline[1])
         ax.set_xlabel(xlabel)
@@ -148,7 +156,7 @@ def trend_chart(
         # Each tick carries its own value: matplotlib's shared "1e6" offset label would collide with the legend.
         ax.yaxis.set_major_formatter(StrMethodFormatter("{x:.3g}"))
         ax.margins(x=0.01)
-        _legend(ax, len(series) + (hline is not None))
+        _legend(ax, len(series) + n_base + (hline is not None))
         return _to_svg(fig, prefix)
 
 

@@ -69,6 +69,13 @@ def report_data(report: Report) -> dict[str, Any]:
     }
     if report.group_by is not None:
         data["per_step"] = {"group_by": report.group_by, **per_step_series(report.analysis.groups)}
+    if report.baseline is not None:
+        base = report.baseline
+        data["compare"] = {
+            "label": report.baseline_label,
+            "analyze": {k: v for k, v in analyze_document(base).items() if k != "groups"},
+            "per_step": per_step_series(base.groups) if base.config.get("group_by") else None,
+        }
     for label, check in report.checks:
         data["checks"][label] = {"summary": check.summary(), "rules": [r.to_json() for r in check.results]}
     return data
@@ -80,8 +87,10 @@ def _fmt(value: Any) -> str:
     return format_value(value)
 
 
-def _series(report: Report, keys: Sequence[str]) -> dict[str, list[Any]]:
-    groups = report.analysis.groups
+def _series(
+    report: Report, keys: Sequence[str], groups: Sequence[Mapping[str, Any]] | None = None
+) -> dict[str, list[Any]]:
+    groups = report.analysis.groups if groups is None else groups
     if keys == ("loss/*",):
         names: dict[str, None] = {}
         for group in groups:
@@ -115,7 +124,13 @@ def _trend_charts(report: Report) -> list[dict[str, Any]]:
             out.append(_chart(chart_id, title, caption, None, _why_missing(report, keys)))
             continue
         hline = (1.0, "ideal 1") if chart_id == "fig-trend-is-ess" else None
-        svg = charts.trend_chart(chart_id, x, series, ylabel=ylabel, xlabel=report.group_by or "step", hline=hline)
+        base = report.baseline
+        base_groups = base.groups if base is not None and base.config.get("group_by") else None
+        svg = charts.trend_chart(
+            chart_id, x, series, ylabel=ylabel, xlabel=report.group_by or "step", hline=hline,
+            base_x=[group["key"] for group in base_groups or []],
+            base_series=_series(report, keys, base_groups) if base_groups else None, base_label=report.baseline_label,
+        )
         out.append(_chart(chart_id, title, caption, svg))
     return out
 
