@@ -145,3 +145,11 @@ def test_report_leads_with_the_findings(capsys, tmp_path, tmp_path_factory):
     assert html.index('id="findings"') < html.index('id="verdicts"') < html.index('id="trends"')
     block = html[html.index('id="finding-GRP101"'):]
     assert "one token late" in block[:600] and 'href="#fig-hist-abs-diff"' in block[:600]
+
+
+def test_diff_lists_findings_present_in_one_run_only(capsys, tmp_path, tmp_path_factory):
+    _, _, inputs = _fault(capsys, tmp_path_factory, "shift_late", 0.3)
+    simulate(replace(HEALTHY["async"], **_CORPUS), tmp_path)
+    code, doc = _json(capsys, "diff", str(tmp_path), str(Path(inputs[0]).parent))
+    assert code == 0
+    assert [(f["code"], f["only_in"]) for f in doc["findings"] if f["severity"] != "info"][:1] == [("GRP101", "new")]

@@ -24,8 +24,10 @@ from grpo_cli.engine.group import MetricGroup
 from grpo_cli.engine.parallel import accumulate
 from grpo_cli.engine.run import AnalysisResult, finalize
 from grpo_cli.errors import UsageError
+from grpo_cli.findings import DetectConfig, diagnose
 from grpo_cli.io.reader import RolloutDataset
 from grpo_cli.metrics import AnalyzeConfig, default_groups
+from grpo_cli.metrics.diagnosis import diagnosis_groups
 
 __all__ = [
     "DEFAULT_Z",
@@ -310,13 +312,16 @@ def measure(
     blocking = "step" if "step" in dataset.columns else "hash"
     run_config = replace(config, group_by="step" if blocking == "step" else None,
                          hash_blocks=0 if blocking == "step" else config.blocks)
-    acc = accumulate(dataset, run_config, groups, workers=workers, progress=progress)
+    # The findings-only groups run over the whole run (never per block): the findings are compared, not jackknifed.
+    streamed = [*groups, *diagnosis_groups()]
+    acc = accumulate(dataset, run_config, streamed, workers=workers, progress=progress)
     if blocking == "step" and len(acc.by_key) < MIN_STEP_BLOCKS:
         # Too few steps to estimate a spread from: a second pass split by hash block (small runs only).
         blocking = "hash"
         run_config = replace(config, group_by=None, hash_blocks=config.blocks)
-        acc = accumulate(dataset, run_config, groups, workers=workers)
-    result = finalize(dataset, run_config, groups, acc)
+        acc = accumulate(dataset, run_config, streamed, workers=workers)
+    result = finalize(dataset, run_config, streamed, acc)
+    result.findings = diagnose(result.metrics, result.evidence, DetectConfig())
     steps = result.groups if blocking == "step" else []
     result.groups = []
     blocks = _block_states(acc.by_key, blocking)
