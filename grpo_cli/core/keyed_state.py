@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from grpo_cli.core.state import MetricState, Reduce, StateSpec, _combine
+from grpo_cli.core.state import MetricState, Reduce, StateSpec, _combine, select_top_rows
 
-__all__ = ["KeyedState", "keyed_combine"]
+__all__ = ["KeyedState", "all_reduce_states", "keyed_combine"]
 
 _SCATTER = {Reduce.SUM: ("sum", 0.0), Reduce.MIN: ("amin", float("inf")), Reduce.MAX: ("amax", float("-inf"))}
 
@@ -101,27 +102,45 @@ class KeyedState(MetricState):
     def to(self, device: torch.device | str) -> KeyedState:
         return self._copy({name: value.to(device) for name, value in self.values.items()})
 
-    def all_reduce_(self, group: object | None = None) -> KeyedState:
-        """Plain entries as :meth:`MetricState.all_reduce_`; keyed tables are all-gathered (padded to the longest)
-        and combined, so every rank ends with the same table."""
-        import torch.distributed as dist
 
-        plain = MetricState({}, None)
-        plain.specs = {k: v for k, v in self.specs.items() if k not in self.keyed}
-        plain.values = {k: v for k, v in self.values.items() if k not in self.keyed}
-        plain.all_reduce_(group)
-        self.values.update(plain.values)
-        world = dist.get_world_size(group)
-        for name, ops in self.keyed.items():
-            table = self.values[name]
-            size = torch.tensor([table.shape[0]], device=table.device)
-            sizes = [torch.empty_like(size) for _ in range(world)]
-            dist.all_gather(sizes, size, group=group)
-            longest = max(int(s) for s in sizes)
-            padded = torch.zeros((longest, table.shape[1]), dtype=table.dtype, device=table.device)
-            padded[: table.shape[0]] = table
-            gathered = [torch.empty_like(padded) for _ in range(world)]
-            dist.all_gather(gathered, padded, group=group)
-            rows = torch.cat([g[: int(s)] for g, s in zip(gathered, sizes)])
-            self.values[name] = keyed_combine(ops, rows[:0], rows)
-        return self
+def all_reduce_states(states: Sequence[MetricState], group: object | None = None) -> None:
+    """All-reduce ``states`` in place over ``torch.distributed`` (``group``: default the world), so every rank holds
+    the merged states: the one implementation for ``GRPOMetric`` and the engine's ``torchrun`` runs.
+
+    Plain sum/min/max entries are bucketed by (dtype, op) into one ``all_reduce`` each; top-k tables and keyed
+    tables are gathered from every rank in one ``all_gather_object`` and combined in rank order with the functions
+    their merges use (:func:`~grpo_cli.core.state.select_top_rows`, :func:`keyed_combine`), so the result equals
+    merging the ranks' states in rank order.
+    """
+    import torch.distributed as dist
+
+    ops = {Reduce.SUM: dist.ReduceOp.SUM, Reduce.MIN: dist.ReduceOp.MIN, Reduce.MAX: dist.ReduceOp.MAX}
+    buckets: dict[tuple[torch.dtype, Reduce], list[tuple[MetricState, str]]] = {}
+    gathered: list[tuple[MetricState, str]] = []
+    for state in states:
+        keyed = getattr(state, "keyed", {})
+        for name, spec in state.specs.items():
+            if name in keyed or spec.reduce is Reduce.TOPK:
+                gathered.append((state, name))
+            else:
+                buckets.setdefault((spec.dtype, spec.reduce), []).append((state, name))
+    for (_, reduce), entries in buckets.items():
+        values = [state.values[name] for state, name in entries]
+        flat = torch.cat([v.reshape(-1) for v in values])
+        dist.all_reduce(flat, op=ops[reduce], group=group)
+        offset = 0
+        for (state, name), value in zip(entries, values):
+            state.values[name] = flat[offset:offset + value.numel()].reshape(value.shape).clone()
+            offset += value.numel()
+    if gathered:
+        local = [state.values[name].cpu() for state, name in gathered]
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, local, group=group)
+        for i, (state, name) in enumerate(gathered):
+            device = state.values[name].device
+            rows = torch.cat([tables[i] for tables in everyone]).to(device)
+            keyed = getattr(state, "keyed", {})
+            if name in keyed:
+                state.values[name] = keyed_combine(keyed[name], rows[:0], rows)
+            else:
+                state.values[name] = select_top_rows(rows, state.specs[name].shape[0])

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from grpo_cli.core.keyed_state import all_reduce_states
 from grpo_cli.core.packing import cu_seqlens_from_lengths
 from grpo_cli.core.policy_stats import policy_stats_compute, policy_stats_state, policy_stats_update
 from grpo_cli.core.state import MetricState
@@ -153,7 +154,8 @@ class GRPOMetric:
             return {}
         group = self._group()
         if group is not None and dist.is_available() and dist.is_initialized():
-            state = state.clone().all_reduce_(group)
+            state = state.clone()
+            all_reduce_states([state], group)
         figures = policy_stats_compute(state)
         if figures["n_valid_tokens"] == 0:
             return {}

@@ -3,7 +3,8 @@
 Like torchmetrics' ``add_state(..., dist_reduce_fx=...)``: every figure grpo-cli reports is computed from a state
 whose entries combine with ``sum`` (counts in int64, sums in float64), ``min``, ``max`` or ``topk`` (a bounded table of
 the highest-keyed rows). Merging is associative and commutative, so states from batches, worker processes and
-``torch.distributed`` ranks combine in any order into the same result.
+``torch.distributed`` ranks combine in any order into the same result
+(:func:`grpo_cli.core.keyed_state.all_reduce_states` all-reduces them).
 """
 
 from __future__ import annotations
@@ -155,23 +156,6 @@ class MetricState:
         new.specs = dict(self.specs)
         new.values = {name: value.to(device) for name, value in self.values.items()}
         return new
-
-    def all_reduce_(self, group: object | None = None) -> MetricState:
-        """All-reduce every entry over ``torch.distributed`` (``group`` defaults to the world); returns ``self``."""
-        import torch.distributed as dist
-
-        ops = {Reduce.SUM: dist.ReduceOp.SUM, Reduce.MIN: dist.ReduceOp.MIN, Reduce.MAX: dist.ReduceOp.MAX}
-        for name, spec in self.specs.items():
-            value = self.values[name]
-            if spec.reduce is Reduce.TOPK:
-                gathered = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
-                dist.all_gather(gathered, value.contiguous(), group=group)
-                self.values[name] = select_top_rows(torch.cat(gathered), value.shape[0])
-            else:
-                value = value.contiguous()
-                dist.all_reduce(value, op=ops[spec.reduce], group=group)
-                self.values[name] = value
-        return self
 
     def state_dict(self) -> dict[str, Tensor]:
         return dict(self.values)

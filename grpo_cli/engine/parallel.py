@@ -45,8 +45,8 @@ from typing import Any
 import torch
 
 from grpo_cli._launch import DistributedEnv, distributed_env, is_secondary_rank
-from grpo_cli.core.keyed_state import keyed_combine
-from grpo_cli.core.state import MetricState, Reduce, select_top_rows
+from grpo_cli.core.keyed_state import all_reduce_states
+from grpo_cli.core.state import MetricState
 from grpo_cli.engine.config import StreamConfig
 from grpo_cli.engine.group import Accumulator, MetricGroup, per_key
 from grpo_cli.engine.runner import accumulate_states
@@ -177,9 +177,8 @@ def all_reduce_accumulator(acc: Accumulator, make_states: Callable[[], list[Metr
     """All-reduce ``acc`` in place over the default process group, so every rank holds the merged states.
 
     ``--group-by`` keys are unioned first (``all_gather_object`` of the key sets; a rank without a key gets fresh
-    states from ``make_states``). Plain sum/min/max entries are bucketed by (dtype, op) into one ``all_reduce``
-    each; top-k tables and keyed tables (:class:`~grpo_cli.core.keyed_state.KeyedState`) are gathered from every
-    rank in one ``all_gather_object`` and combined in rank order with the same functions their merges use.
+    states from ``make_states``); then every state is all-reduced by
+    :func:`~grpo_cli.core.keyed_state.all_reduce_states`, the implementation ``GRPOMetric`` uses too.
     """
     import torch.distributed as dist
 
@@ -190,37 +189,7 @@ def all_reduce_accumulator(acc: Accumulator, make_states: Callable[[], list[Metr
         if key not in acc.by_key:
             acc.by_key[key] = make_states()
     states = list(acc.overall) + [s for key in sorted(acc.by_key) for s in acc.by_key[key]]
-
-    ops = {Reduce.SUM: dist.ReduceOp.SUM, Reduce.MIN: dist.ReduceOp.MIN, Reduce.MAX: dist.ReduceOp.MAX}
-    buckets: dict[tuple[torch.dtype, Reduce], list[tuple[MetricState, str]]] = {}
-    gathered: list[tuple[MetricState, str]] = []
-    for state in states:
-        keyed = getattr(state, "keyed", {})
-        for name, spec in state.specs.items():
-            if name in keyed or spec.reduce is Reduce.TOPK:
-                gathered.append((state, name))
-            else:
-                buckets.setdefault((spec.dtype, spec.reduce), []).append((state, name))
-    for (_, reduce), entries in buckets.items():
-        values = [state.values[name] for state, name in entries]
-        flat = torch.cat([v.reshape(-1) for v in values])
-        dist.all_reduce(flat, op=ops[reduce])
-        offset = 0
-        for (state, name), value in zip(entries, values):
-            state.values[name] = flat[offset:offset + value.numel()].reshape(value.shape).clone()
-            offset += value.numel()
-    if gathered:
-        local = [state.values[name].cpu() for state, name in gathered]
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, local)
-        for i, (state, name) in enumerate(gathered):
-            device = state.values[name].device
-            rows = torch.cat([tables[i] for tables in everyone]).to(device)
-            keyed = getattr(state, "keyed", {})
-            if name in keyed:
-                state.values[name] = keyed_combine(keyed[name], rows[:0], rows)
-            else:
-                state.values[name] = select_top_rows(rows, state.specs[name].shape[0])
+    all_reduce_states(states)
 
 
 def _agree_on_errors(error: BaseException | None) -> None:
