@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "compare_prox_config",
+    "evaluate_rules",
     "finding_results",
     "validate_rules",
     "BOUND_KEYS",
@@ -917,15 +918,7 @@ def run_check(
         omitted.update(prox_omitted)
         report_config["compare_prox"] = prox_config
 
-    results: list[RuleResult] = []
-    problems: list[str] = []
-    for rule in rules:
-        try:
-            results.append(evaluate_rule(rule, metrics, groups, baseline, omitted=omitted))
-        except UsageError as exc:
-            problems.append(str(exc))
-    if problems:
-        raise UsageError("; ".join(problems))
+    results = evaluate_rules(rules, metrics, groups, baseline, omitted)
     chosen = select_findings(first.findings, select, ignore)
     results = finding_results(chosen) + results
 
@@ -947,6 +940,28 @@ def run_check(
         notes=notes,
         findings=chosen,
     )
+
+
+def evaluate_rules(
+    rules: Sequence[Rule],
+    metrics: Mapping[str, Any],
+    groups: Mapping[str, Sequence[Mapping[str, Any]]],
+    baseline: Baseline | None,
+    omitted: Mapping[str, str],
+) -> list[RuleResult]:
+    """Evaluate every rule (:func:`evaluate_rule`, never stopping at the first); the problems that make rules
+    impossible to evaluate are raised together as one :class:`UsageError` (exit 2). ``check`` and ``report`` both
+    evaluate their rules here."""
+    results: list[RuleResult] = []
+    problems: list[str] = []
+    for rule in rules:
+        try:
+            results.append(evaluate_rule(rule, metrics, groups, baseline, omitted=omitted))
+        except UsageError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise UsageError("; ".join(problems))
+    return results
 
 
 _FINDING_STATUS = {"error": Status.FAIL, "warning": Status.WARN}

@@ -139,8 +139,14 @@ def evaluate_checks(
     Raises:
         UsageError: unknown metrics or rules on figures the dump cannot provide, as ``check`` (exit 2).
     """
-    from grpo_cli.commands.check import CheckReport, evaluate_rule, sanity_figures, valid_input_rule, validate_rules
-    from grpo_cli.errors import UsageError
+    from grpo_cli.commands.check import (
+        CheckReport,
+        evaluate_rules,
+        finding_results,
+        sanity_figures,
+        valid_input_rule,
+        validate_rules,
+    )
 
     rules = list(rule_set.rules)
     validate_rules(rules, dataset, None)  # check's own up-front validation (unknown metrics, bad per columns)
@@ -155,14 +161,7 @@ def evaluate_checks(
     groups: dict[str, list[dict[str, Any]]] = dict(extra_groups or {})
     if analysis.config.get("group_by") is not None:
         groups[analysis.config["group_by"]] = analysis.groups
-    results, problems = [], []
-    for rule in rules:
-        try:
-            results.append(evaluate_rule(rule, metrics, groups, None, omitted=omitted))
-        except UsageError as exc:
-            problems.append(str(exc))
-    if problems:
-        raise UsageError("; ".join(problems))
+    results = finding_results(analysis.findings) + evaluate_rules(rules, metrics, groups, None, omitted)
     report_config = dict(analysis.config)
     report_config.pop("group_by", None)
     report_config.pop("top_k", None)
@@ -174,6 +173,7 @@ def evaluate_checks(
         config=report_config,
         columns=analysis.columns,
         sources=rule_set.sources,
+        findings=list(analysis.findings),
     )
 
 
