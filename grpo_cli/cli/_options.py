@@ -209,7 +209,11 @@ def open_input(paths: Sequence[str], column_map: Sequence[str] | None, preset: A
     from grpo_cli.io.presets import open_dataset
     from grpo_cli.io.schema import parse_column_map
 
-    return open_dataset(paths, parse_column_map(column_map), preset.value if preset is not None else None)
+    dataset = open_dataset(paths, parse_column_map(column_map), preset.value if preset is not None else None)
+    if not is_secondary_rank():
+        for note in dataset.notes:
+            typer.echo(f"grpo-cli: warning: {note}", err=True)
+    return dataset
 
 
 def config_from(config_type: type, values: Mapping[str, Any], **overrides: Any) -> Any:

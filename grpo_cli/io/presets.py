@@ -50,6 +50,7 @@ __all__ = [
     "open_dataset",
     "preset_transforms",
     "resolve_column_map",
+    "unread_column_notes",
 ]
 
 #: Per-token columns a transform shifts (``loss_mask`` is always shifted too: it exists on every batch).
@@ -394,7 +395,7 @@ def open_dataset(
         InputError: what :class:`RolloutDataset` raises (missing files or columns, wrong types).
     """
     if preset is None:
-        return RolloutDataset(paths, dict(column_map or {}))
+        return _open_noting(paths, dict(column_map or {}), None)
     chosen = _by_name(preset)
     files = expand_paths(paths)
     try:
@@ -411,9 +412,91 @@ def open_dataset(
             file=str(files[0]),
             column="labels",
         )
-    dataset = RolloutDataset(paths, resolved)
+    dataset = _open_noting(paths, resolved, chosen)
     dataset.transforms.extend(preset_transforms(chosen, dataset))
     return dataset
+
+
+def _open_noting(paths: Sequence[str | os.PathLike[str]], column_map: Mapping[str, str],
+                 preset: Preset | None) -> RolloutDataset:
+    """:class:`RolloutDataset` plus the column hints: a missing required column names the preset whose names the
+    file uses, and file columns that look like unread schema columns become ``dataset.notes``."""
+    try:
+        dataset = RolloutDataset(paths, dict(column_map))
+    except InputError as exc:
+        if exc.column in ("new_logp",) and exc.reason.startswith("required column is missing") and exc.file:
+            hint = _missing_hint(_file_columns(exc.file), preset)
+            if hint:
+                raise InputError(f"{exc.reason}; {hint}", file=exc.file, column=exc.column) from None
+        raise
+    try:
+        available = pq.read_schema(dataset.files[0]).names
+    except (pa.ArrowException, OSError):
+        available = []
+    dataset.notes.extend(unread_column_notes(available, dataset.column_map, dataset.columns, preset))
+    return dataset
+
+
+def _file_columns(path: str) -> list[str]:
+    try:
+        return list(pq.read_schema(path).names)
+    except (pa.ArrowException, OSError):
+        return []
+
+
+def _preset_names(preset: Preset) -> set[str]:
+    return {name for canonical, names in preset.columns.items() for name in names if name != canonical}
+
+
+def _missing_hint(available: Sequence[str], preset: Preset | None) -> str | None:
+    """Which ``--preset`` the file's column names match (by how many of its framework names the file has)."""
+    if preset is not None:
+        names = " or ".join(preset.columns.get("new_logp", ("new_logp",)))
+        return f"--preset {preset.name} reads the new log-prob from {names} (or use --map new_logp=COLUMN)"
+    present = set(available)
+    scores = {p.name: len(_preset_names(p) & present) for p in PRESETS.values()}
+    best = max(scores.values(), default=0)
+    if best == 0:
+        return "name it new_logp or use --map new_logp=COLUMN"
+    matches = [name for name, score in scores.items() if score == best]
+    return (f"the column names match --preset {' or --preset '.join(matches)} (which reads new_logp from "
+            f"{' or '.join(PRESETS[matches[0]].columns['new_logp'])}); or use --map new_logp=COLUMN")
+
+
+def unread_column_notes(available: Sequence[str], column_map: Mapping[str, str], read: Iterable[str],
+                        preset: Preset | None = None) -> list[str]:
+    """Warnings for file columns that look like a schema column the run does not read.
+
+    A column is flagged if a preset would read it as a schema column that is absent (``rollout_log_probs`` →
+    ``old_logp`` under ``--preset verl``) or if its name is close to an absent schema column's (``old_logprobs``);
+    each note names the ``--map`` (and presets) that would use it. A misspelt optional column would otherwise
+    leave its figures "not computed" without a word.
+    """
+    import difflib
+
+    used = set(column_map.values()) | set(read)
+    absent = [c for c in COLUMNS if c not in set(read)]
+    notes = []
+    for name in available:
+        if name in used or name in COLUMNS:
+            continue
+        targets: dict[str, list[str]] = {}
+        for candidate in PRESETS.values():
+            if preset is not None and candidate.name == preset.name:
+                continue
+            for canonical, names in candidate.columns.items():
+                if name in names and canonical in absent:
+                    targets.setdefault(canonical, []).append(candidate.name)
+        if not targets:
+            close = difflib.get_close_matches(name, absent, n=1, cutoff=0.75)
+            if close:
+                targets[close[0]] = []
+        for canonical, presets in targets.items():
+            via = f"--map {canonical}={name}"
+            if presets:
+                via = f"--preset {' or --preset '.join(presets)} (or {via})"
+            notes.append(f"column '{name}' looks like {canonical} but is not read; {via} would use it")
+    return notes
 
 
 

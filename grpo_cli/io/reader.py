@@ -109,11 +109,8 @@ class RolloutDataset:
         first = self._infos[0]
         for info in self._infos[1:]:
             if info.layout is not first.layout or set(info.actual) != set(first.actual):
-                raise InputError(
-                    f"schema differs from {first.path}: columns {sorted(info.actual)} ({info.layout.value}) vs "
-                    f"{sorted(first.actual)} ({first.layout.value})",
-                    file=str(info.path),
-                )
+                raise InputError(f"schema differs from {first.path}: {_schema_difference(info, first)}",
+                                 file=str(info.path))
             for name, dtype in info.types.items():
                 if _kind_signature(dtype) != _kind_signature(first.types[name]):
                     raise InputError(
@@ -123,6 +120,9 @@ class RolloutDataset:
                     )
         self.layout = first.layout
         self.columns: frozenset[str] = frozenset(first.actual)
+        self.notes: list[str] = []
+        """Warnings about the input that do not stop a run (a column that looks like a schema column but is not
+        read, …): the library returns them, the CLI prints them to stderr."""
 
     # -- inspection ---------------------------------------------------------------------------------------------
     def _inspect(self, path: Path) -> _FileInfo:
@@ -147,7 +147,10 @@ class RolloutDataset:
                 )
         for canonical in REQUIRED_COLUMNS:
             if canonical not in actual:
-                raise InputError("required column is missing", file=str(path), column=canonical)
+                raise InputError(
+                    f"required column is missing (the file has: {', '.join(schema.names) or 'no columns'})",
+                    file=str(path), column=canonical,
+                )
         layout = Layout.SEQUENCE_PER_ROW if _is_list(types["new_logp"]) else Layout.TOKEN_PER_ROW
         if layout is Layout.TOKEN_PER_ROW and "seq_id" not in actual:
             raise InputError(
@@ -294,6 +297,20 @@ class RolloutDataset:
                 yield _token_batch(info, shard.file_index, carry, boundaries, row, wanted, seen_ids)
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"cannot decode ({_first_line(exc)})", file=str(info.path), row=row) from None
+
+
+def _schema_difference(info: _FileInfo, first: _FileInfo) -> str:
+    """What differs between two files' schema columns (not both lists)."""
+    parts = []
+    extra = sorted(set(info.actual) - set(first.actual))
+    missing = sorted(set(first.actual) - set(info.actual))
+    if extra:
+        parts.append(f"this file also has {', '.join(extra)}")
+    if missing:
+        parts.append(f"this file lacks {', '.join(missing)}")
+    if info.layout is not first.layout:
+        parts.append(f"layout {info.layout.value} vs {first.layout.value}")
+    return "; ".join(parts)
 
 
 # -- type checks ------------------------------------------------------------------------------------------------
