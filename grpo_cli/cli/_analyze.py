@@ -174,8 +174,14 @@ def _select_metrics(names: str | None, result: AnalysisResult, defaults: list[st
     chosen = [name.strip() for name in names.split(",") if name.strip()]
     unknown = [name for name in chosen if name not in available]
     if unknown:
-        raise UsageError(f"--metrics: not reported for this dump: {', '.join(unknown)} "
-                         f"(available: {', '.join(sorted(available))})")
+        import difflib
+
+        def close(name: str) -> str:
+            matches = difflib.get_close_matches(name, sorted(available), n=3, cutoff=0.6)
+            return f"'{name}' (did you mean {' or '.join(repr(m) for m in matches)}?)" if matches else f"'{name}'"
+
+        raise UsageError(f"--metrics: not reported for this dump: {', '.join(close(name) for name in unknown)}; "
+                         "--format json lists every reported key")
     return chosen
 
 
