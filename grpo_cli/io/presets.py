@@ -29,18 +29,22 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from torch import Tensor
 
-from grpo_cli.core.batch import PER_TOKEN_COLUMNS, TokenBatch
 from grpo_cli.errors import InputError, UsageError
-from grpo_cli.io.align import prepend_slot, unroll_next_token
-from grpo_cli.io.reader import RolloutDataset, expand_paths
 from grpo_cli.io.schema import COLUMNS
-from grpo_cli.io.writer import read_metadata
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from grpo_cli.core.batch import TokenBatch
+    from grpo_cli.io.reader import RolloutDataset
+
+# The preset table, describe() and format_description() need no torch: ``grpo-cli schema`` loads none. The reader,
+# the writer's metadata and the alignment functions (all torch) are imported where a dataset is opened.
 
 __all__ = [
     "PRESETS",
@@ -53,8 +57,13 @@ __all__ = [
     "unread_column_notes",
 ]
 
-#: Per-token columns a transform shifts (``loss_mask`` is always shifted too: it exists on every batch).
-_SHIFTED = PER_TOKEN_COLUMNS
+
+def _shifted() -> tuple[str, ...]:
+    """Per-token columns a transform shifts (``loss_mask`` is always shifted too: it exists on every batch)."""
+    from grpo_cli.core.batch import PER_TOKEN_COLUMNS
+
+    return tuple(PER_TOKEN_COLUMNS)
+
 _FILL: dict[str, float | int | bool] = {"versions": -1, "loss_mask": False}
 
 
@@ -329,6 +338,8 @@ class UnrollTransform:
         self.skip_files = frozenset(skip_files)
 
     def __call__(self, batch: TokenBatch) -> TokenBatch:
+        from grpo_cli.io.align import unroll_next_token
+
         if batch.file_index in self.skip_files:
             return batch
         changes: dict[str, Tensor] = {}
@@ -350,11 +361,13 @@ class PrependSlotTransform:
         self.skip_files = frozenset(skip_files)
 
     def __call__(self, batch: TokenBatch) -> TokenBatch:
+        from grpo_cli.io.align import prepend_slot
+
         if batch.file_index in self.skip_files:
             return batch
         changes: dict[str, Tensor] = {}
         cu_out = batch.cu_seqlens
-        for name in (*_SHIFTED, "loss_mask"):
+        for name in (*_shifted(), "loss_mask"):
             values = getattr(batch, name)
             if values is not None:
                 changes[name], cu_out = prepend_slot(values, batch.cu_seqlens, _FILL.get(name, 0.0))
@@ -363,13 +376,15 @@ class PrependSlotTransform:
 
 def preset_transforms(preset: Preset | str, dataset: RolloutDataset) -> list[Any]:
     """The batch transforms a preset needs on ``dataset`` (empty for token-aligned frameworks)."""
+    from grpo_cli.io.writer import read_metadata
+
     preset = _by_name(preset) if isinstance(preset, str) else preset
     if preset.alignment == "token":
         return []
     skip = [i for i, path in enumerate(dataset.files) if read_metadata(path).get("alignment") == "token"]
     if preset.alignment == "next_token_short":
         return [PrependSlotTransform(skip)]
-    columns = [c for c in _SHIFTED if c not in preset.token_aligned]
+    columns = [c for c in _shifted() if c not in preset.token_aligned]
     if "advantages" in columns and "advantages" in dataset.columns and not _per_token_advantages(dataset):
         columns.remove("advantages")  # one value per sequence (broadcast by the reader): nothing to shift
     return [UnrollTransform(columns, skip)]
@@ -394,6 +409,8 @@ def open_dataset(
         UsageError: an unknown preset.
         InputError: what :class:`RolloutDataset` raises (missing files or columns, wrong types).
     """
+    from grpo_cli.io.reader import expand_paths
+
     if preset is None:
         return _open_noting(paths, dict(column_map or {}), None)
     chosen = _by_name(preset)
@@ -421,6 +438,8 @@ def _open_noting(paths: Sequence[str | os.PathLike[str]], column_map: Mapping[st
                  preset: Preset | None) -> RolloutDataset:
     """:class:`RolloutDataset` plus the column hints: a missing required column names the preset whose names the
     file uses, and file columns that look like unread schema columns become ``dataset.notes``."""
+    from grpo_cli.io.reader import RolloutDataset
+
     try:
         dataset = RolloutDataset(paths, dict(column_map))
     except InputError as exc:
