@@ -161,8 +161,9 @@ class Rule:
             object.__setattr__(self, "severity", Severity(self.severity))
         except ValueError:
             raise ValueError(f"'severity' must be 'error' or 'warn', got {self.severity!r}") from None
-        if self.per is not None and self.per not in PER_COLUMNS:
-            raise ValueError(f"'per' must be one of {', '.join(PER_COLUMNS)}, got {self.per!r}")
+        if self.per is not None and (not isinstance(self.per, str) or not self.per):
+            raise ValueError(f"'per' must be a per-sequence column name ({', '.join(PER_COLUMNS)}, or any other "
+                             f"such as a task string), got {self.per!r}")
         for key in ("name", "hint"):
             if getattr(self, key) is not None and not isinstance(getattr(self, key), str):
                 raise ValueError(f"'{key}' must be a string, got {getattr(self, key)!r}")
@@ -827,9 +828,13 @@ def validate_rules(rules: Sequence[Rule], dataset: RolloutDataset, baseline: Bas
         if rule.per is not None and rule.is_prox:
             problems.append(f"{rule.source} ({rule.metric}): 'per' is not supported for prox/ keys "
                             "(compare-prox reports overall figures only)")
-        if rule.per is not None and rule.per not in dataset.columns:
+        if rule.per is not None and rule.per in PER_COLUMNS and rule.per not in dataset.columns:
             problems.append(f"{rule.source} ({rule.metric}): per = '{rule.per}' but the dump has no "
                             f"'{rule.per}' column")
+        elif rule.per is not None and rule.per not in PER_COLUMNS:
+            problem = dataset.group_column_problem(rule.per)
+            if problem is not None:
+                problems.append(f"{rule.source} ({rule.metric}): per = '{rule.per}': {problem}")
     if problems:
         raise UsageError("; ".join(problems))
     if baseline is not None:
