@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -56,6 +57,7 @@ __all__ = ["analyze", "compare_prox"]
 
 @app.command()
 def analyze(
+    ctx: typer.Context,
     paths: PathsArg,
     epsilon: EpsilonOpt = 0.2,
     epsilon_high: EpsilonHighOpt = None,
@@ -136,8 +138,11 @@ def analyze(
     for note in config.ppo_notes():
         typer.echo(f"grpo-cli: warning: {note}", err=True)
     dataset = open_input(paths, column_map, preset)
+    config, from_metadata = _metadata_defaults(ctx, config, dataset.files)
     with progress_bar(dataset.n_tokens, quiet) as progress:
         result = run_analysis(dataset, config, progress=progress, workers=resolve_workers(workers, device))
+    if from_metadata:
+        result.config["from_metadata"] = from_metadata
     warn_skipped(result.metrics)
     from grpo_cli.metrics.names import rename_result
 
@@ -159,6 +164,27 @@ def analyze(
         csv=lambda: to_csv(result.metrics, groups=result.groups if group_by is not None else None),
         table=draw,
     )
+
+
+def _metadata_defaults(ctx: typer.Context, config: Any, files: Sequence[Any]) -> tuple[Any, dict[str, Any]]:
+    """The config with the dump's recorded options (``RolloutWriter(metadata=…)``: temperature, clip widths) where
+    the command line left them at their defaults, and what was taken (reported as ``config.from_metadata``)."""
+    import dataclasses
+
+    from grpo_cli.io.metadata import METADATA_OPTIONS, dump_defaults
+
+    def given(name: str) -> bool:  # on the command line or from the environment, not the parameter's default
+        source = ctx.get_parameter_source(name)
+        return source is not None and getattr(source, "name", "") not in ("DEFAULT", "DEFAULT_MAP")
+
+    explicit = {name for name in METADATA_OPTIONS if given(name)}
+    found = dump_defaults(files, explicit)
+    options = {name: value for name, value in found.items() if name in METADATA_OPTIONS}
+    if not options:
+        return config, found
+    config = dataclasses.replace(config, **options)
+    config.validate()
+    return config, found
 
 
 DEFAULT_GROUP_METRICS = ("n_valid_tokens", "kl/k3", "clip/ratio", "ratio/max", "logp/diff_mean")

@@ -810,6 +810,10 @@ def convert(
     if not sources:
         raise UsageError("give at least one source")
     out = Path(out_dir)
+    if source_format is None and not optimize and all(
+        str(source).endswith((".jsonl", ".ndjson")) for source in sources
+    ):
+        source_format = "jsonl"  # JSON lines are recognised by their extension (docs/schema.md)
     if source_format is None:
         if not optimize:
             raise UsageError(f"give --from FORMAT ({', '.join(FORMATS)}) or --optimize")
