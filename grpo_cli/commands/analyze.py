@@ -30,4 +30,12 @@ def analyze(
         0.0257
     """
     groups = default_groups() if groups is None else list(groups)
-    return run(dataset, groups, config, progress=progress, workers=workers)
+    result = run(dataset, groups, config, progress=progress, workers=workers)
+    result.config["ratio_base"] = ratio_base(dataset)
+    return result
+
+
+def ratio_base(dataset: RolloutDataset) -> str:
+    """Which log-prob the PPO ratio r = π_θ / π_base of ``ratio/*``, ``clip/*`` and ``top_ratio`` is taken against:
+    ``"prox"`` when the dump has ``prox_logp`` (decoupled PPO, AReaL's proximal policy), else ``"old"``."""
+    return "prox" if "prox_logp" in dataset.columns else "old"

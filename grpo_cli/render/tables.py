@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -68,22 +68,35 @@ def render_table(
             table.add_row(key, format_value(metrics[key]), f"{origin}: {meaning}" if origin != key else meaning)
         console.print(table)
     render_distributions(console, metrics)
+    prox = config.get("ratio_base") == "prox"
     top = metrics.get("top_kl")
     if top:
         table = Table(title="Highest-KL tokens (k3 vs old)", title_justify="left")
-        for column in ("file", "row", "position", "kl", "ratio", "new_logp", "old_logp"):
-            table.add_column(column, justify="right")
+        values = ("kl", "ratio", "ratio_base", "new_logp", "old_logp") if prox else (
+            "kl", "ratio", "new_logp", "old_logp")
+        for column in ("file", "row", "position", *values):
+            header = {"ratio": "ratio vs old", "ratio_base": "ratio vs prox"}.get(column, column)
+            table.add_column(header, justify="right")
         for record in top:
-            file_index = record["file"]
-            name = os.path.basename(inputs[file_index]) if 0 <= file_index < len(inputs) else str(file_index)
-            table.add_row(
-                name,
-                str(record["row"]),
-                str(record["position"]),
-                *(format_value(record[c]) for c in ("kl", "ratio", "new_logp", "old_logp")),
-            )
+            table.add_row(*_location(record, inputs), *(format_value(record.get(c)) for c in values))
+        console.print(table)
+    top_ratio = metrics.get("top_ratio")
+    if top_ratio:
+        base = "prox" if prox else "old"
+        table = Table(title=f"Highest-ratio tokens (π_θ / π_{base}; the first is ratio/max)", title_justify="left")
+        for column in ("file", "row", "position", "ratio", "new_logp", f"{base}_logp"):
+            table.add_column(column, justify="right")
+        for record in top_ratio:
+            table.add_row(*_location(record, inputs),
+                          *(format_value(record[c]) for c in ("ratio", "new_logp", "base_logp")))
         console.print(table)
     render_omitted(console, omitted)
+
+
+def _location(record: Mapping[str, Any], inputs: Sequence[str]) -> tuple[str, str, str]:
+    file_index = record["file"]
+    name = os.path.basename(inputs[file_index]) if 0 <= file_index < len(inputs) else str(file_index)
+    return name, str(record["row"]), str(record["position"])
 
 
 def render_omitted(console: Console, omitted: Mapping[str, str]) -> None:
