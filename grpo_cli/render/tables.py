@@ -77,8 +77,10 @@ def render_table(
         for column in ("file", "row", "position", *values):
             header = {"ratio": "ratio vs old", "ratio_base": "ratio vs prox"}.get(column, column)
             table.add_column(header, justify="right")
-        for record in top:
-            table.add_row(*_location(record, inputs), *(format_value(record.get(c)) for c in values))
+        merged = _merge_identical(top, values)
+        for record, rows in merged:
+            table.add_row(*_location(record, inputs, rows), *(format_value(record.get(c)) for c in values))
+        _note_merged(table, merged)
         console.print(table)
     top_ratio = metrics.get("top_ratio")
     if top_ratio:
@@ -86,17 +88,52 @@ def render_table(
         table = Table(title=f"Highest-ratio tokens (π_θ / π_{base}; the first is ratio/max)", title_justify="left")
         for column in ("file", "row", "position", "ratio", "new_logp", f"{base}_logp"):
             table.add_column(column, justify="right")
-        for record in top_ratio:
-            table.add_row(*_location(record, inputs),
+        merged = _merge_identical(top_ratio, ("ratio", "new_logp", "base_logp"))
+        for record, rows in merged:
+            table.add_row(*_location(record, inputs, rows),
                           *(format_value(record[c]) for c in ("ratio", "new_logp", "base_logp")))
+        _note_merged(table, merged)
         console.print(table)
     render_omitted(console, omitted)
 
 
-def _location(record: Mapping[str, Any], inputs: Sequence[str]) -> tuple[str, str, str]:
+def _location(record: Mapping[str, Any], inputs: Sequence[str], rows: Sequence[int] = ()) -> tuple[str, str, str]:
     file_index = record["file"]
     name = os.path.basename(inputs[file_index]) if 0 <= file_index < len(inputs) else str(file_index)
-    return name, str(record["row"]), str(record["position"])
+    return name, _row_list(rows or [record["row"]]), str(record["position"])
+
+
+def _row_list(rows: Sequence[int]) -> str:
+    """``[3, 4, 5, 9]`` → ``3–5, 9``."""
+    runs: list[list[int]] = []
+    for row in sorted(rows):
+        if runs and row == runs[-1][1] + 1:
+            runs[-1][1] = row
+        else:
+            runs.append([row, row])
+    return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs)
+
+
+def _merge_identical(
+    records: Sequence[Mapping[str, Any]], values: Sequence[str]
+) -> list[tuple[Mapping[str, Any], list[int]]]:
+    """Top-token rows that differ only in their row (the same token of duplicated sequences: repeated prompts and
+    identical samples) become one line listing the rows."""
+    merged: list[tuple[Mapping[str, Any], list[int]]] = []
+    index: dict[tuple[Any, ...], int] = {}
+    for record in records:
+        key = (record["file"], record["position"], *(record.get(c) for c in values))
+        if key in index:
+            merged[index[key]][1].append(record["row"])
+        else:
+            index[key] = len(merged)
+            merged.append((record, [record["row"]]))
+    return merged
+
+
+def _note_merged(table: Table, merged: Sequence[tuple[Mapping[str, Any], list[int]]]) -> None:
+    if any(len(rows) > 1 for _, rows in merged):
+        table.caption = "rows with identical values are merged (the same token in duplicated sequences)"
 
 
 def render_omitted(console: Console, omitted: Mapping[str, str]) -> None:

@@ -1,0 +1,49 @@
+"""Terminal polish: choice errors without typer's "Value error," prefix; check's verdict once on a terminal;
+identical top-token rows merged."""
+
+from __future__ import annotations
+
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from grpo_cli.cli import main
+
+
+def run(capsys, *args):
+    code = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _duplicated(tmp_path):
+    path = tmp_path / "d.parquet"
+    new = [[-0.1, -0.2, -3.0]] * 3 + [[-0.1, -0.5, -0.2]]
+    old = [[-0.1, -0.2, -0.5]] * 3 + [[-0.1, -0.4, -0.3]]
+    f32 = pa.list_(pa.float32())
+    pq.write_table(pa.table({"new_logp": pa.array(new, f32), "old_logp": pa.array(old, f32)}), path)
+    return path
+
+
+def test_choice_errors_have_no_value_error_prefix(capsys, tmp_path):
+    code, _, err = run(capsys, "analyze", _duplicated(tmp_path), "--on-invalid", "ignore")
+    assert code == 2 and "Invalid value for '--on-invalid': 'ignore' is not one of" in err
+    assert "Value error" not in err
+
+
+def test_identical_top_rows_are_merged(capsys, tmp_path):
+    code, out, _ = run(capsys, "analyze", _duplicated(tmp_path))
+    assert code == 0 and "0–2" in out and "rows with identical values are merged" in out
+
+
+def test_check_verdict_once_on_a_terminal(capsys, tmp_path, monkeypatch):
+    rules = tmp_path / "r.toml"
+    rules.write_text('[[rule]]\nmetric = "kl/k3"\nmax = 0\n')
+    path = _duplicated(tmp_path)
+    code, out, err = run(capsys, "check", path, "--rules", rules)
+    assert code == 1 and "FAILED" in out and "FAILED" in err  # piped: the log keeps the verdict on stderr
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    code, out, err = run(capsys, "check", path, "--rules", rules)
+    assert code == 1 and out.count("FAILED") == 1 and "FAILED" not in err
