@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -123,11 +125,19 @@ def analyze(
     names: NamesOpt = NamesChoice("grpo-cli"),
     workers: WorkersOpt = None,
     quiet: QuietOpt = False,
+    wide: Annotated[
+        bool, typer.Option("--wide", help="With --format csv: one row per group key, one column per figure.")
+    ] = False,
+    tensorboard: Annotated[
+        Path | None,
+        typer.Option("--tensorboard", help="Also write the per-step figures (and the findings) as TensorBoard "
+                     "scalars into DIR (needs the 'tensorboard' extra)."),
+    ] = None,
 ) -> None:
     """Every diagnostic of a rollout dump, streamed in one pass."""
     from grpo_cli.commands.analyze import AnalyzeConfig
     from grpo_cli.commands.analyze import analyze as run_analysis
-    from grpo_cli.render.documents import analyze_document, to_csv
+    from grpo_cli.render.documents import analyze_document, to_csv, to_wide_csv
     from grpo_cli.render.tables import render_group_table, render_table
 
     config = config_from(
@@ -139,11 +149,24 @@ def analyze(
         typer.echo(f"grpo-cli: warning: {note}", err=True)
     dataset = open_input(paths, column_map, preset)
     config, from_metadata = _metadata_defaults(ctx, config, dataset.files)
+    # TensorBoard curves are per step: without --group-by the step split is computed for them alone.
+    by_step = tensorboard is not None and group_by is None and "step" in dataset.columns
+    if by_step:
+        config = dataclasses.replace(config, group_by="step")
     with progress_bar(dataset.n_tokens, quiet) as progress:
         result = run_analysis(dataset, config, progress=progress, workers=resolve_workers(workers, device))
     if from_metadata:
         result.config["from_metadata"] = from_metadata
     warn_skipped(result.metrics)
+    if tensorboard is not None:
+        from grpo_cli.render.tensorboard import write_tensorboard
+
+        steps = result.groups if by_step or group_by == "step" else []
+        write_tensorboard(tensorboard, groups=steps, metrics=result.metrics, config=result.config,
+                          notes=list(dataset.notes))
+        if by_step:
+            result.groups = []
+            result.config["group_by"] = None
     from grpo_cli.metrics.names import rename_result
 
     result, labels = rename_result(result, names.value)
@@ -161,7 +184,8 @@ def analyze(
         output_format,
         output,
         document=lambda: analyze_document(result, preset=preset.value if preset is not None else None),
-        csv=lambda: to_csv(result.metrics, groups=result.groups if group_by is not None else None),
+        csv=lambda: (to_wide_csv(result.metrics, result.groups if group_by is not None else None, group_by=group_by)
+                     if wide else to_csv(result.metrics, groups=result.groups if group_by is not None else None)),
         table=draw,
     )
 
@@ -169,7 +193,6 @@ def analyze(
 def _metadata_defaults(ctx: typer.Context, config: Any, files: Sequence[Any]) -> tuple[Any, dict[str, Any]]:
     """The config with the dump's recorded options (``RolloutWriter(metadata=…)``: temperature, clip widths) where
     the command line left them at their defaults, and what was taken (reported as ``config.from_metadata``)."""
-    import dataclasses
 
     from grpo_cli.io.metadata import METADATA_OPTIONS, dump_defaults
 
