@@ -47,3 +47,26 @@ def test_check_verdict_once_on_a_terminal(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     code, out, err = run(capsys, "check", path, "--rules", rules)
     assert code == 1 and out.count("FAILED") == 1 and "FAILED" not in err
+
+
+def test_compare_prox_lag_table_fits_100_columns(capsys):
+    import io
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from grpo_cli.render.prox import render_compare_prox_table
+
+    sample = Path(__file__).resolve().parents[1] / "sample_data" / "rollouts.parquet"
+    code, out, err = run(capsys, "compare-prox", sample, "-f", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    methods = ["loglinear", "linear", "rollout"]
+    buffer = io.StringIO()
+    render_compare_prox_table(Console(file=buffer, width=100, no_color=True), metrics=doc["metrics"], omitted={},
+                              inputs=doc["inputs"], config={}, methods=methods, recommendations={}, tolerance=0.01)
+    text = buffer.getvalue()
+    lag_part = text[text.index("By staleness lag"):]
+    assert "…" not in lag_part and all(f"— {m}" in lag_part for m in methods)
+    assert max(len(line) for line in lag_part.splitlines()) <= 100
