@@ -70,3 +70,15 @@ def test_compare_prox_lag_table_fits_100_columns(capsys):
     lag_part = text[text.index("By staleness lag"):]
     assert "…" not in lag_part and all(f"— {m}" in lag_part for m in methods)
     assert max(len(line) for line in lag_part.splitlines()) <= 100
+
+
+def test_trend_chart_integer_steps_and_symlog_for_a_spike():
+    from grpo_cli.render.charts import trend_chart
+
+    calm = trend_chart("fig-a", [0, 1, 2], {"kl/k3": [0.11, 0.13, 0.12]}, ylabel="KL")
+    assert ">0.5<" not in calm and ">1.5<" not in calm and "symlog" not in calm
+    spiky = trend_chart("fig-b", list(range(8)), {"kl/k3": [0.11, 0.13, 0.12, 0.1, 40.0, 0.12, 0.11, 0.1]},
+                        ylabel="KL")
+    assert "symlog above 0.12" in spiky
+    assert trend_chart("fig-b", list(range(8)), {"kl/k3": [0.11, 0.13, 0.12, 0.1, 40.0, 0.12, 0.11, 0.1]},
+                       ylabel="KL") == spiky  # still byte-identical
