@@ -82,3 +82,21 @@ def test_trend_chart_integer_steps_and_symlog_for_a_spike():
     assert "symlog above 0.12" in spiky
     assert trend_chart("fig-b", list(range(8)), {"kl/k3": [0.11, 0.13, 0.12, 0.1, 40.0, 0.12, 0.11, 0.1]},
                        ylabel="KL") == spiky  # still byte-identical
+
+
+def test_check_statuses_are_coloured_unless_no_color(capsys, tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from grpo_cli.commands.check import CheckReport, Rule, RuleResult, Status
+    from grpo_cli.render.check import render_check_table
+
+    results = [RuleResult(Rule("kl/k3", max=1.0), status, bound="≤ 1") for status in (Status.PASS, Status.FAIL)]
+    report = CheckReport(results=results, metrics={}, omitted={}, inputs=["d.parquet"], config={})
+    coloured = io.StringIO()
+    render_check_table(Console(file=coloured, force_terminal=True, color_system="standard", width=100), report)
+    assert "\x1b[" in coloured.getvalue() and coloured.getvalue().count("FAILED") == 1
+    plain = io.StringIO()
+    render_check_table(Console(file=plain, force_terminal=True, no_color=True, width=100), report)
+    assert "\x1b[3" not in plain.getvalue()  # NO_COLOR: styles without colours
