@@ -167,7 +167,7 @@ def test_parse_rules_file():
         ("[[rule]]\nmax = 1\n", "rule 1: 'metric' is required"),
         ('[[rule]]\nmetric = "kl/k3"\n', "no bound"),
         ('[[rule]]\nmetric = "kl/k3"\nmax = 1\nseverity = "fatal"\n', "'severity' must be 'error' or 'warn'"),
-        ('[[rule]]\nmetric = "kl/k3"\nmax = 1\nper = "epoch"\n', "'per' must be one of"),
+        ('[[rule]]\nmetric = "kl/k3"\nmax = 1\nper = 3\n', "'per' must be a per-sequence column name"),
         ('[[rule]]\nmetric = "kl/k3"\nmin = 2\nmax = 1\n', "min 2 is above max 1"),
         ('[[rule]]\nmetric = "kl/k3"\nmax = "high"\n', "'max' must be a number"),
         ('[[rule]]\nmetric = "kl/k3"\nmax_abs_change = -1\n', "'max_abs_change' must be >= 0"),

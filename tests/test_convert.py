@@ -321,7 +321,9 @@ def test_optimize_validates_like_analyze(capsys, tmp_path):
 def test_usage_errors(capsys, tmp_path):
     path = tmp_path / "x.jsonl"
     path.write_text('{"new_logp": [-0.1]}\n')
-    assert run(capsys, "convert", path, "-o", tmp_path / "o")[0] == 2  # neither --from nor --optimize
+    other = tmp_path / "x.txt"  # a .jsonl source is recognised by its extension (tests/test_metadata_defaults.py)
+    other.write_text('{"new_logp": [-0.1]}\n')
+    assert run(capsys, "convert", other, "-o", tmp_path / "o")[0] == 2  # neither --from nor --optimize
     assert run(capsys, "convert", path, "-o", tmp_path / "o", "--from", "pickle")[0] == 2
     assert run(capsys, "convert", path, "-o", tmp_path / "o", "--from", "jsonl", "--join", path)[0] == 2
     assert run(capsys, "convert", tmp_path / "missing.pt", "-o", tmp_path / "o", "--from", "torch-dict")[0] == 2

@@ -141,10 +141,13 @@ def same_states(a: list[MetricState], b: list[MetricState], *, float_sums_rel: f
 
 
 def without_top_rows(metrics: dict[str, Any]) -> tuple[dict[str, Any], list]:
-    """``top_kl`` names rows, which a permutation renames: compare its values as a sorted multiset instead."""
-    rest = {k: v for k, v in metrics.items() if k != "top_kl"}
-    table = sorted(tuple(r[c] for c in ("kl", "position", "ratio", "new_logp", "old_logp"))
+    """``top_kl`` and ``top_ratio`` name rows, which a permutation renames: compare their values as sorted multisets
+    instead."""
+    rest = {k: v for k, v in metrics.items() if k not in ("top_kl", "top_ratio")}
+    table = sorted(tuple(r[c] for c in ("kl", "position", "ratio", "new_logp", "old_logp", "ratio_base"))
                    for r in metrics.get("top_kl", []))
+    table += sorted(tuple(r[c] for c in ("ratio", "position", "new_logp", "base_logp"))
+                    for r in metrics.get("top_ratio", []))
     return rest, table
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import traceback
+from collections.abc import Iterator
 
 import typer
 
@@ -43,13 +44,15 @@ def _main(args: list[str]) -> int:
     command = typer.main.get_command(app)
     try:
         # Standalone mode: the parser reports usage errors itself (exit 2) and exits through SystemExit.
-        command.main(args=args, prog_name="grpo-cli", standalone_mode=True)
+        with _plain_choice_errors():
+            command.main(args=args, prog_name="grpo-cli", standalone_mode=True)
     except SystemExit as exc:
         return _exit_code(exc.code)
     except GrpoCliError as exc:
         if STATE["debug"]:
             traceback.print_exc()
-        typer.echo(f"grpo-cli: error: {exc}", err=True)
+        if str(exc):  # an empty message: the verdict was already shown (check's table on this terminal)
+            typer.echo(f"grpo-cli: error: {exc}", err=True)
         return exc.exit_code
     except KeyboardInterrupt:
         typer.echo("grpo-cli: interrupted", err=True)
@@ -63,6 +66,22 @@ def _main(args: list[str]) -> int:
         )
         return EXIT_ERROR
     return 0
+
+
+@contextlib.contextmanager
+def _plain_choice_errors() -> Iterator[None]:
+    """Typer validates choices through pydantic, whose message starts with "Value error, "; the user sees
+    "Invalid value for '--on-invalid': 'ignore' is not one of 'error', 'skip'." without it."""
+    original = typer.BadParameter.format_message
+
+    def format_message(self: typer.BadParameter) -> str:
+        return original(self).replace(": Value error, ", ": ")
+
+    typer.BadParameter.format_message = format_message  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        typer.BadParameter.format_message = original  # type: ignore[method-assign]
 
 
 def _exit_code(code: object) -> int:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -55,6 +58,7 @@ __all__ = ["analyze", "compare_prox"]
 
 @app.command()
 def analyze(
+    ctx: typer.Context,
     paths: PathsArg,
     epsilon: EpsilonOpt = 0.2,
     epsilon_high: EpsilonHighOpt = None,
@@ -129,12 +133,20 @@ def analyze(
     ] = False,
     max_staleness: MaxStalenessOpt = 4,
     prox_approximation: ProxApproximationOpt = None,
+    wide: Annotated[
+        bool, typer.Option("--wide", help="With --format csv: one row per group key, one column per figure.")
+    ] = False,
+    tensorboard: Annotated[
+        Path | None,
+        typer.Option("--tensorboard", help="Also write the per-step figures (and the findings) as TensorBoard "
+                     "scalars into DIR (needs the 'tensorboard' extra)."),
+    ] = None,
 ) -> None:
     """Every diagnostic of a rollout dump, streamed in one pass, and what is wrong with the run (findings)."""
     from grpo_cli.commands.analyze import AnalyzeConfig
     from grpo_cli.commands.analyze import analyze as run_analysis
     from grpo_cli.findings import DetectConfig
-    from grpo_cli.render.documents import analyze_document, to_csv
+    from grpo_cli.render.documents import analyze_document, to_csv, to_wide_csv
     from grpo_cli.render.findings import render_findings, render_headline
     from grpo_cli.render.tables import render_group_table, render_table
 
@@ -146,11 +158,28 @@ def analyze(
     for note in config.ppo_notes():
         typer.echo(f"grpo-cli: warning: {note}", err=True)
     dataset = open_input(paths, column_map, preset)
+    config, from_metadata = _metadata_defaults(ctx, config, dataset.files)
+    # TensorBoard curves are per step: without --group-by the step split is computed for them alone.
+    by_step = tensorboard is not None and group_by is None and "step" in dataset.columns
+    if by_step:
+        config = dataclasses.replace(config, group_by="step")
     detect = DetectConfig(max_staleness=max_staleness, prox_approximation=prox_approximation)
     with progress_bar(dataset.n_tokens, quiet) as progress:
         result = run_analysis(dataset, config, progress=progress, workers=resolve_workers(workers, device),
                               findings=detect)
+    if from_metadata:
+        result.config["from_metadata"] = from_metadata
     warn_skipped(result.metrics)
+    if tensorboard is not None:
+        from grpo_cli.render.tensorboard import write_tensorboard
+
+        steps = result.groups if by_step or group_by == "step" else []
+        write_tensorboard(tensorboard, groups=steps, metrics=result.metrics, config=result.config,
+                          notes=[*dataset.notes, *(f"{f['code']} {f['severity']} [{f['category']}]: {f['title']}"
+                                                   for f in result.findings)])
+        if by_step:
+            result.groups = []
+            result.config["group_by"] = None
     from grpo_cli.metrics.names import rename_result
 
     result, labels = rename_result(result, names)
@@ -175,10 +204,31 @@ def analyze(
         output_format,
         output,
         document=lambda: analyze_document(result, preset=preset),
-        csv=lambda: to_csv(result.metrics, groups=result.groups if group_by is not None else None,
-                           findings=result.findings),
+        csv=lambda: (to_wide_csv(result.metrics, result.groups if group_by is not None else None, group_by=group_by)
+                     if wide else to_csv(result.metrics, groups=result.groups if group_by is not None else None,
+                                         findings=result.findings)),
         table=draw,
     )
+
+
+def _metadata_defaults(ctx: typer.Context, config: Any, files: Sequence[Any]) -> tuple[Any, dict[str, Any]]:
+    """The config with the dump's recorded options (``RolloutWriter(metadata=…)``: temperature, clip widths) where
+    the command line left them at their defaults, and what was taken (reported as ``config.from_metadata``)."""
+
+    from grpo_cli.io.metadata import METADATA_OPTIONS, dump_defaults
+
+    def given(name: str) -> bool:  # on the command line or from the environment, not the parameter's default
+        source = ctx.get_parameter_source(name)
+        return source is not None and getattr(source, "name", "") not in ("DEFAULT", "DEFAULT_MAP")
+
+    explicit = {name for name in METADATA_OPTIONS if given(name)}
+    found = dump_defaults(files, explicit)
+    options = {name: value for name, value in found.items() if name in METADATA_OPTIONS}
+    if not options:
+        return config, found
+    config = dataclasses.replace(config, **options)
+    config.validate()
+    return config, found
 
 
 DEFAULT_GROUP_METRICS = ("n_valid_tokens", "kl/k3", "clip/ratio", "ratio/max", "logp/diff_mean")
@@ -194,8 +244,14 @@ def _select_metrics(names: str | None, result: AnalysisResult, defaults: list[st
     chosen = [name.strip() for name in names.split(",") if name.strip()]
     unknown = [name for name in chosen if name not in available]
     if unknown:
-        raise UsageError(f"--metrics: not reported for this dump: {', '.join(unknown)} "
-                         f"(available: {', '.join(sorted(available))})")
+        import difflib
+
+        def close(name: str) -> str:
+            matches = difflib.get_close_matches(name, sorted(available), n=3, cutoff=0.6)
+            return f"'{name}' (did you mean {' or '.join(repr(m) for m in matches)}?)" if matches else f"'{name}'"
+
+        raise UsageError(f"--metrics: not reported for this dump: {', '.join(close(name) for name in unknown)}; "
+                         "--format json lists every reported key")
     return chosen
 
 

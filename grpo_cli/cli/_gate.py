@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -164,7 +165,10 @@ def check(
             table=lambda console: render_check_table(console, report),
         )
     if report.exit_code:
-        raise CheckFailed(report.headline())
+        # The verdict once: the table already ends with it when it went to this terminal.
+        on_terminal = (output is None and output_format.value == "table" and sys.stdout.isatty()
+                       and sys.stderr.isatty())
+        raise CheckFailed("" if on_terminal else report.headline())
 
 
 @app.command()

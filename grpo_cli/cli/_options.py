@@ -216,7 +216,11 @@ def open_input(paths: Sequence[str], column_map: Sequence[str] | None, preset: s
     from grpo_cli.io.presets import open_dataset
     from grpo_cli.io.schema import parse_column_map
 
-    return open_dataset(paths, parse_column_map(column_map), preset)
+    dataset = open_dataset(paths, parse_column_map(column_map), preset)
+    if not is_secondary_rank():
+        for note in dataset.notes:
+            typer.echo(f"grpo-cli: warning: {note}", err=True)
+    return dataset
 
 
 def config_from(config_type: type, values: Mapping[str, Any], **overrides: Any) -> Any:

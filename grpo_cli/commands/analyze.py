@@ -37,6 +37,13 @@ def analyze(
     if findings is not None:
         groups = [*groups, *diagnosis_groups()]
     result = run(dataset, groups, config, progress=progress, workers=workers)
+    result.config["ratio_base"] = ratio_base(dataset)
     if findings is not None:
         result.findings = diagnose(result.metrics, result.evidence, findings)
     return result
+
+
+def ratio_base(dataset: RolloutDataset) -> str:
+    """Which log-prob the PPO ratio r = π_θ / π_base of ``ratio/*``, ``clip/*`` and ``top_ratio`` is taken against:
+    ``"prox"`` when the dump has ``prox_logp`` (decoupled PPO, AReaL's proximal policy), else ``"old"``."""
+    return "prox" if "prox_logp" in dataset.columns else "old"

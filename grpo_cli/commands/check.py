@@ -165,8 +165,9 @@ class Rule:
             object.__setattr__(self, "severity", Severity(self.severity))
         except ValueError:
             raise ValueError(f"'severity' must be 'error' or 'warn', got {self.severity!r}") from None
-        if self.per is not None and self.per not in PER_COLUMNS:
-            raise ValueError(f"'per' must be one of {', '.join(PER_COLUMNS)}, got {self.per!r}")
+        if self.per is not None and (not isinstance(self.per, str) or not self.per):
+            raise ValueError(f"'per' must be a per-sequence column name ({', '.join(PER_COLUMNS)}, or any other "
+                             f"such as a task string), got {self.per!r}")
         for key in ("name", "hint"):
             if getattr(self, key) is not None and not isinstance(getattr(self, key), str):
                 raise ValueError(f"'{key}' must be a string, got {getattr(self, key)!r}")
@@ -253,6 +254,7 @@ def parse_rules(text: str, source: str = "rules") -> RuleSet:
         problems.append("'rule' must be an array of tables: write each rule under [[rule]]")
         tables = []
     rules: list[Rule] = []
+    known = known_metrics() if tables else set()
     for index, table in enumerate(tables, start=1):
         where = f"rule {index}" + (f" ({table['metric']})" if isinstance(table.get("metric"), str) else "")
         unknown = [key for key in table if key not in RULE_KEYS]
@@ -261,12 +263,16 @@ def parse_rules(text: str, source: str = "rules") -> RuleSet:
         if "metric" not in table:
             problems.append(f"{where}: 'metric' is required")
             continue
-        if unknown:
-            continue
+        # The known keys are still checked (bounds, severity, …): every problem of a file in one message.
+        if isinstance(table["metric"], str):
+            problems.extend(metric_problems(table["metric"], where, known))
         try:
-            rules.append(Rule(**table, source=f"{source} {where}"))
-        except ValueError as exc:
+            rule = Rule(**{k: v for k, v in table.items() if k in RULE_KEYS}, source=f"{source} {where}")
+        except (ValueError, TypeError) as exc:
             problems.append(f"{where}: {exc}")
+            continue
+        if not unknown:
+            rules.append(rule)
     options: dict[str, dict[str, Any]] = {}
     for table in ("analyze", "compare_prox"):
         values = data.get(table, {})
@@ -274,6 +280,10 @@ def parse_rules(text: str, source: str = "rules") -> RuleSet:
             problems.append(f"'{table}' must be a table: write [{table}]")
             values = {}
         options[table] = values
+    problems.extend(_option_problems("analyze", options["analyze"], _analyze_config_type())[1])
+    prox_module = _compare_prox_module()
+    if prox_module is not None:
+        problems.extend(_option_problems("compare_prox", options["compare_prox"], prox_module.CompareProxConfig)[1])
     if problems:
         raise UsageError(f"{source}: " + "; ".join(problems))
     return RuleSet(rules, options["analyze"], options["compare_prox"], [source])
@@ -328,8 +338,22 @@ def preset(name: str) -> RuleSet:
     return RuleSet(PRESETS[name](), sources=[f"preset {name}"])
 
 
+def _analyze_config_type() -> type:
+    from grpo_cli.metrics.config import AnalyzeConfig
+
+    return AnalyzeConfig
+
+
 def _coerce_options(table: str, values: Mapping[str, Any], config_type: type) -> dict[str, Any]:
     """Check ``[table]`` keys against the dataclass fields of ``config_type`` and their declared types."""
+    out, problems = _option_problems(table, values, config_type)
+    if problems:
+        raise UsageError("; ".join(problems))
+    return out
+
+
+def _option_problems(table: str, values: Mapping[str, Any], config_type: type) -> tuple[dict[str, Any], list[str]]:
+    """The typed ``[table]`` options and every problem found in them (unknown keys, wrong types)."""
     allowed = {f.name: str(f.type) for f in fields(config_type) if f.name not in _NOT_FROM_FILE}
     out: dict[str, Any] = {}
     problems = []
@@ -352,9 +376,7 @@ def _coerce_options(table: str, values: Mapping[str, Any], config_type: type) ->
             problems.append(f"[{table}] {key} must be of type {kind}, got {value!r}")
             continue
         out[key] = float(value) if "float" in kind and _is_number(value) else value
-    if problems:
-        raise UsageError("; ".join(problems))
-    return out
+    return out, problems
 
 
 def analyze_config(rule_set: RuleSet, *, all_figures: bool = False, **overrides: Any) -> tuple[AnalyzeConfig, bool]:
@@ -437,6 +459,21 @@ def _compare_prox_module() -> ModuleType | None:
             raise
         return None
     return module
+
+
+def metric_problems(metric: str, where: str, known: set[str] | None = None) -> list[str]:
+    """What is wrong with a rule's ``metric`` before any data is read: an unknown key (with close matches) or a
+    key whose value is a list or table (``top_kl``): rules compare one number against bounds."""
+    from grpo_cli.metrics.registry import KEYS
+
+    known = known_metrics() if known is None else known
+    if metric not in known:
+        return [f"{where}: unknown metric '{metric}'{_close(metric, known)}"]
+    figure = KEYS.get(metric)
+    if figure is not None and figure.reduce == "table":
+        return [f"{where}: '{metric}' is a list (a table of rows), and lists cannot be rules; rules need a "
+                "scalar metric"]
+    return []
 
 
 def known_metrics() -> set[str]:
@@ -692,7 +729,8 @@ def evaluate_rule(
             reason = (omitted or {}).get(rule.metric, "not reported for this dump")
         if rule.optional:
             result.status = Status.SKIPPED
-            result.message = f"{rule.metric} not computed: {reason}"
+            subject = rule.metric if rule.per is None else f"{rule.metric} per {rule.per}"
+            result.message = f"{subject} not computed: {reason}"
             return result
         raise UsageError(f"{rule.source}: '{rule.metric}' cannot be computed for this dump: {reason}")
     for _, value in candidates:
@@ -800,16 +838,19 @@ def validate_rules(rules: Sequence[Rule], dataset: RolloutDataset, baseline: Bas
     known = known_metrics()
     problems = []
     for rule in rules:
-        if rule.metric not in known:
-            problems.append(f"{rule.source}: unknown metric '{rule.metric}'{_close(rule.metric, known)}")
+        problems.extend(metric_problems(rule.metric, rule.source, known))
         if rule.needs_baseline and baseline is None:
             problems.append(f"{rule.source} ({rule.metric}): max_rel_increase/max_abs_change need --baseline")
         if rule.per is not None and rule.is_prox:
             problems.append(f"{rule.source} ({rule.metric}): 'per' is not supported for prox/ keys "
                             "(compare-prox reports overall figures only)")
-        if rule.per is not None and rule.per not in dataset.columns:
+        if rule.per is not None and rule.per in PER_COLUMNS and rule.per not in dataset.columns:
             problems.append(f"{rule.source} ({rule.metric}): per = '{rule.per}' but the dump has no "
                             f"'{rule.per}' column")
+        elif rule.per is not None and rule.per not in PER_COLUMNS:
+            problem = dataset.group_column_problem(rule.per)
+            if problem is not None:
+                problems.append(f"{rule.source} ({rule.metric}): per = '{rule.per}': {problem}")
     if problems:
         raise UsageError("; ".join(problems))
     if baseline is not None:

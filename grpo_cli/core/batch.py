@@ -64,6 +64,9 @@ class TokenBatch:
         file_index: index of the source file in the sorted input list.
         rows: ``[B]`` int64 row of each sequence in its file (for token-per-row files, its first token's row).
         positions: ``[N]`` int64 position of each token within its sequence (set on valid views only).
+        group_key: ``[B]`` int64 code of a ``--group-by`` column outside the schema's int columns (a string task
+            or data-source name, a prompt id, …): the index of the sequence's value in the dump's sorted distinct
+            values (``RolloutDataset.group_values``), or ``None``.
     """
 
     cu_seqlens: Tensor
@@ -86,6 +89,7 @@ class TokenBatch:
     file_index: int = 0
     rows: Tensor | None = None
     positions: Tensor | None = field(default=None)
+    group_key: Tensor | None = None
 
     @property
     def n_sequences(self) -> int:
@@ -159,7 +163,7 @@ class TokenBatch:
         for name in (*PER_TOKEN_COLUMNS, "loss_mask", "positions"):
             value = getattr(self, name)
             changes[name] = None if value is None else value.index_select(0, tokens)
-        for name in (*PER_SEQUENCE_COLUMNS, "rows"):
+        for name in (*PER_SEQUENCE_COLUMNS, "rows", "group_key"):
             value = getattr(self, name)
             changes[name] = None if value is None else value.index_select(0, sequences)
         return replace(self, cu_seqlens=cu_seqlens_from_lengths(lengths[keep]), **changes)

@@ -28,19 +28,29 @@ from grpo_cli.core.state import MetricState, count, maximum, top_rows, total
 
 __all__ = [
     "TOP_KL_FIELDS",
+    "TOP_RATIO_FIELDS",
     "policy_stats_compute",
     "policy_stats_state",
     "policy_stats_update",
     "rescale_to_unit_temperature",
 ]
 
-TOP_KL_FIELDS = ("kl", "file", "row", "position", "ratio", "new_logp", "old_logp")
+TOP_KL_FIELDS = ("kl", "file", "row", "position", "ratio", "new_logp", "old_logp", "ratio_base")
 """Columns of the ``top_kl`` state table: the KL value ranks; ``file``/``row`` locate the sequence (for the
-stateful metric, ``file`` is 0 and ``row`` the running sequence index); ``position`` is the token index in its row."""
+stateful metric, ``file`` is 0 and ``row`` the running sequence index); ``position`` is the token index in its row.
+``ratio`` is exp(new − old); ``ratio_base`` is the ratio against the figures' ratio base (``prox_logp`` when given,
+so both ratios of a decoupled-PPO token are listed; equal to ``ratio`` otherwise)."""
+
+TOP_RATIO_FIELDS = ("ratio", "file", "row", "position", "new_logp", "base_logp")
+"""Columns of the ``top_ratio`` state table: the ratio exp(new − base) ranks (base: ``prox_logp`` when given, else
+``old_logp``), located like ``top_kl``: the token behind ``ratio/max`` is its first row."""
 
 
-def policy_stats_state(top_k: int = 0, device: torch.device | str | None = None) -> MetricState:
-    """An empty state for :func:`policy_stats_update` (counts int64, sums float64)."""
+def policy_stats_state(
+    top_k: int = 0, device: torch.device | str | None = None, top_ratio: bool = False
+) -> MetricState:
+    """An empty state for :func:`policy_stats_update` (counts int64, sums float64); ``top_ratio`` adds the
+    ``top_ratio`` table (``top_k`` rows) beside ``top_kl``."""
     specs = {
         "n_valid": count(),
         "sum_new": total(),
@@ -64,6 +74,8 @@ def policy_stats_state(top_k: int = 0, device: torch.device | str | None = None)
     }
     if top_k > 0:
         specs["top_kl"] = top_rows(top_k, len(TOP_KL_FIELDS))
+        if top_ratio:
+            specs["top_ratio"] = top_rows(top_k, len(TOP_RATIO_FIELDS))
     return MetricState(specs, device)
 
 
@@ -135,14 +147,19 @@ def policy_stats_update(
             max_k3=k3.max(),
         )
         if "top_kl" in state:
-            _update_top_kl(state, k3, diff, new, old, cu_seqlens, sequence_keys, positions)
+            base_diff = diff if ratio_base_logp is None else new - rescale_to_unit_temperature(ratio_base_logp,
+                                                                                                temperature)
+            _update_top_kl(state, k3, diff, new, old, cu_seqlens, sequence_keys, positions, base_diff)
 
     base = old_logp if ratio_base_logp is None else ratio_base_logp
     if base is None:
         return
-    log_ratio = new - rescale_to_unit_temperature(base, temperature)
+    base_scaled = rescale_to_unit_temperature(base, temperature)
+    log_ratio = new - base_scaled
     ratio = torch.exp(log_ratio)
     state.update(n_ratio=torch.tensor(n_valid), max_ratio=ratio.max())
+    if "top_ratio" in state:
+        _update_top(state, "top_ratio", ratio, cu_seqlens, sequence_keys, positions, (new, base_scaled))
     # Compare in the log-probs' dtype against bounds rounded to that dtype (spec-decisions: clip boundaries).
     below, above = ratio < 1 - epsilon, ratio > 1 + eps_high
     state.update(cispo_low=below.sum(), cispo_high=above.sum())
@@ -176,6 +193,7 @@ def _update_top_kl(
     cu_seqlens: Tensor,
     sequence_keys: Tensor | None,
     positions: Tensor | None,
+    base_diff: Tensor | None = None,
 ) -> None:
     k = state["top_kl"].shape[0]
     n = k3.numel()
@@ -204,10 +222,38 @@ def _update_top_kl(
             torch.exp(diff[cand]).to(torch.float64),
             new[cand].to(torch.float64),
             old[cand].to(torch.float64),
+            torch.exp((diff if base_diff is None else base_diff)[cand]).to(torch.float64),
         ],
         dim=1,
     )
     state.update(top_kl=rows)
+
+
+def _update_top(
+    state: MetricState,
+    name: str,
+    values: Tensor,
+    cu_seqlens: Tensor,
+    sequence_keys: Tensor | None,
+    positions: Tensor | None,
+    extra: tuple[Tensor, ...],
+) -> None:
+    """Offer the batch's highest ``values`` to the bounded table ``name``: (value, file, row, position, *extra),
+    with ties kept as :func:`_update_top_kl` keeps them (the final choice is by location, not by batching)."""
+    k = state[name].shape[0]
+    n = values.numel()
+    floor = float(state[name][-1, 0])
+    cand = None if floor == -math.inf else torch.nonzero(values >= floor).flatten()
+    if cand is None or cand.numel() > k:
+        ranked = values if cand is None else values[cand]
+        kth = torch.topk(ranked, min(k, ranked.numel())).values[-1]
+        cand = torch.nonzero(values >= kth).flatten()
+    seq = segment_ids(cu_seqlens, n)[cand]
+    keys = torch.stack([torch.zeros_like(seq), seq], dim=1) if sequence_keys is None else (
+        sequence_keys.to(values.device)[seq])
+    pos = cand - cu_seqlens.to(cand.device)[seq] if positions is None else positions[cand]
+    columns = [values[cand], keys[:, 0], keys[:, 1], pos, *(column[cand] for column in extra)]
+    state.update(**{name: torch.stack([c.to(torch.float64) for c in columns], dim=1)})
 
 
 def _ratio(num: Tensor, den: Tensor) -> float:
@@ -253,16 +299,18 @@ def policy_stats_compute(state: MetricState) -> dict[str, Any]:
         out["clip/seq_ratio"] = _ratio(s["seq_clip_low"] + s["seq_clip_high"], n)
     if "top_kl" in s and int(s["n_old"]) > 0:
         out["top_kl"] = top_kl_records(s["top_kl"])
+    if "top_ratio" in s and int(s["n_ratio"]) > 0:
+        out["top_ratio"] = top_kl_records(s["top_ratio"], TOP_RATIO_FIELDS)
     return out
 
 
-def top_kl_records(table: Tensor) -> list[dict[str, Any]]:
-    """The filled rows of a ``top_kl`` table as dicts (``file``/``row``/``position`` as ints)."""
+def top_kl_records(table: Tensor, fields: tuple[str, ...] = TOP_KL_FIELDS) -> list[dict[str, Any]]:
+    """The filled rows of a ``top_kl`` (or ``top_ratio``) table as dicts (``file``/``row``/``position`` as ints)."""
     records = []
     for row in table.cpu().tolist():
         if row[0] == -math.inf:
             continue
-        record: dict[str, Any] = dict(zip(TOP_KL_FIELDS, row))
+        record: dict[str, Any] = dict(zip(fields, row))
         for key in ("file", "row", "position"):
             record[key] = int(record[key])
         records.append(record)

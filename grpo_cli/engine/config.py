@@ -23,11 +23,19 @@ __all__ = [
     "PPOOptions",
     "StreamConfig",
     "check_finite",
+    "coded_group_by",
     "validate_stream",
 ]
 
 GROUP_BY_COLUMNS = tuple(name for name, spec in COLUMNS.items() if spec.kind is ColumnKind.SEQUENCE_INT)
-"""Per-sequence integer columns ``--group-by`` (and a ``check`` rule's ``per``) accepts."""
+"""The schema's per-sequence integer columns: ``--group-by`` (and a ``check`` rule's ``per``) reads them as batch
+columns. Any other per-sequence file column (a task or data-source string, a prompt id, …) is read as codes into
+its sorted distinct values (``RolloutDataset.group_values``; see :func:`coded_group_by`)."""
+
+
+def coded_group_by(group_by: str | None) -> bool:
+    """Whether ``--group-by group_by`` is read as ``batch.group_key`` codes rather than a schema int column."""
+    return group_by is not None and group_by not in GROUP_BY_COLUMNS
 
 
 class OnInvalid(str, enum.Enum):
@@ -58,8 +66,8 @@ def validate_stream(config: StreamConfig) -> None:
     current = config.current_version
     if current is not None and (isinstance(current, bool) or not isinstance(current, int)):
         raise UsageError(f"--current-version must be an integer, got {current!r}")
-    if config.group_by is not None and config.group_by not in GROUP_BY_COLUMNS:
-        raise UsageError(f"--group-by must be one of {', '.join(GROUP_BY_COLUMNS)}, got '{config.group_by}'")
+    if config.group_by is not None and (not isinstance(config.group_by, str) or not config.group_by):
+        raise UsageError(f"--group-by must be a column name, got {config.group_by!r}")
 
 _RS_FIELDS = ("rs_level", "rs_action", "rs_metric", "rs_agg", "rs_upper", "rs_lower")
 

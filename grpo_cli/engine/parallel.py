@@ -47,7 +47,7 @@ import torch
 from grpo_cli._launch import DistributedEnv, distributed_env, is_secondary_rank
 from grpo_cli.core.keyed_state import all_reduce_states
 from grpo_cli.core.state import MetricState
-from grpo_cli.engine.config import StreamConfig
+from grpo_cli.engine.config import StreamConfig, coded_group_by
 from grpo_cli.engine.group import Accumulator, MetricGroup, per_key
 from grpo_cli.engine.runner import accumulate_states
 from grpo_cli.errors import GrpoCliError, UsageError
@@ -373,7 +373,13 @@ def accumulate(
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise UsageError(f"--workers must be an integer >= 1, got {workers!r}")
-    if config.group_by is not None and config.group_by not in dataset.columns:
+    if coded_group_by(config.group_by):
+        problem = dataset.group_column_problem(config.group_by)
+        if problem is not None:
+            raise UsageError(f"--group-by {config.group_by}: {problem}")
+        if len(dataset.group_values(config.group_by)) > config.max_groups:
+            raise UsageError(f"--group-by {config.group_by}: more than {config.max_groups} distinct values")
+    elif config.group_by is not None and config.group_by not in dataset.columns:
         raise UsageError(f"--group-by {config.group_by}: the dump has no '{config.group_by}' column")
     units = plan_units(dataset.shards(), UNIT_BATCHES * config.batch_tokens)
     device = _device_for(config)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_cli.core.state import MetricState
+from grpo_cli.engine.config import coded_group_by
 from grpo_cli.engine.group import Accumulator, MetricGroup, per_key
 from grpo_cli.engine.parallel import accumulate
 from grpo_cli.engine.validate import require_data
@@ -66,8 +67,11 @@ def finalize(
     metrics, omitted = _figures(dataset, config, groups, acc.overall)
     require_data(metrics, [str(p) for p in dataset.files])  # zero rows / all skipped / no valid tokens: exit 2
     keyed = per_key(groups)
+    # A coded --group-by column (strings, …) reports each code's value; codes sort like the values.
+    values = dataset.group_values(config.group_by) if coded_group_by(getattr(config, "group_by", None)) else None
     by_key = [
-        {"key": key, "metrics": _without_skip_counts(_figures(dataset, config, keyed, acc.by_key[key])[0])}
+        {"key": key if values is None else values[int(key)],
+         "metrics": _without_skip_counts(_figures(dataset, config, keyed, acc.by_key[key])[0])}
         for key in sorted(acc.by_key)
     ]
     evidence: dict[str, Any] = {}

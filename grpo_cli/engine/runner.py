@@ -13,7 +13,7 @@ import torch
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.state import MetricState
 from grpo_cli.engine.blocks import block_keys
-from grpo_cli.engine.config import StreamConfig
+from grpo_cli.engine.config import StreamConfig, coded_group_by
 from grpo_cli.engine.group import Accumulator, MetricGroup, per_key
 from grpo_cli.engine.stream import streamed
 from grpo_cli.engine.validate import BatchValidator, ValidationGroup
@@ -134,7 +134,8 @@ def accumulate_states(
     wanted: set[str] = {"loss_mask"}
     for group in groups:
         wanted |= group.columns()
-    if config.group_by is not None:
+    coded = coded_group_by(config.group_by)
+    if config.group_by is not None and not coded:
         if config.group_by not in dataset.columns:
             raise UsageError(f"--group-by {config.group_by}: the dump has no '{config.group_by}' column")
         wanted.add(config.group_by)
@@ -144,7 +145,8 @@ def accumulate_states(
     # under --on-invalid skip it drops sequences before any figure (or group_by key) sees them.
     validator = BatchValidator.for_dataset(dataset, config.on_invalid, config.current_version)
     skip_counts = next((s for g, s in zip(groups, acc.overall) if isinstance(g, ValidationGroup)), None)
-    batches = dataset.iter_batches(columns=wanted, batch_tokens=config.batch_tokens, shards=shards, raw_mask=True)
+    batches = dataset.iter_batches(columns=wanted, batch_tokens=config.batch_tokens, shards=shards, raw_mask=True,
+                                   group_key=config.group_by if coded else None)
     # Decoding runs ahead in a thread (into pinned memory for CUDA) while the groups compute (grpo_cli.engine.stream).
     with _GroupRunner(threads, len(groups)) as runner:
         for batch in streamed(batches, device):
@@ -172,7 +174,10 @@ def _update_batch(
     blocks = _blocks(config)
     if config.group_by is None and not blocks:
         return
-    keys = block_keys(batch, blocks) if blocks else getattr(batch, config.group_by)
+    if blocks:
+        keys = block_keys(batch, blocks)
+    else:
+        keys = batch.group_key if coded_group_by(config.group_by) else getattr(batch, config.group_by)
     keyed = per_key(groups)
     for key in torch.unique(keys).tolist():
         if key not in acc.by_key:

@@ -550,8 +550,8 @@ def _convert_jsonl(
                     if keys is None:
                         keys = _key_map(list(rows[0]), column_map, preset)
                         if "new_logp" not in keys:
-                            raise InputError("line has no 'new_logp' list (use --map new_logp=KEY or --preset)",
-                                             file=str(file), row=first_line)
+                            raise InputError(f"{_line(first_line)}: no 'new_logp' list (use --map new_logp=KEY or "
+                                             "--preset)", file=str(file), row=first_line - 1)
                     inputs = _jsonl_inputs(rows, keys, file, first_line, pad)
                     try:
                         result.n_sequences += writer.add(step=step, alignment=alignment, column_alignment=overrides,
@@ -581,14 +581,14 @@ def _jsonl_chunks(file: Path, step_keys: Sequence[str]) -> Iterator[tuple[int, l
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise InputError(f"line {number}: not JSON ({exc.msg})", file=str(file)) from None
+                raise InputError(f"{_line(number)}: not JSON ({exc.msg})", file=str(file), row=number - 1) from None
             if not isinstance(row, dict):
-                raise InputError(f"line {number}: expected a JSON object", file=str(file))
+                raise InputError(f"{_line(number)}: expected a JSON object", file=str(file), row=number - 1)
             step_key = next((k for k in step_keys if k in row), None)
             row_step = row[step_key] if step_key is not None else 0
             if isinstance(row_step, bool) or not isinstance(row_step, int) or row_step < 0:
-                raise InputError(f"line {number}: '{step_key}' must be an integer >= 0", file=str(file),
-                                 column=step_key)
+                raise InputError(f"{_line(number)}: '{step_key}' must be an integer >= 0", file=str(file),
+                                 column=step_key, row=number - 1)
             if rows and (row_step != step or tokens >= _CHUNK_TOKENS):
                 yield step, rows, first_line  # type: ignore[misc]
                 rows, tokens = [], 0
@@ -602,6 +602,12 @@ def _jsonl_chunks(file: Path, step_keys: Sequence[str]) -> Iterator[tuple[int, l
             yield step, rows, first_line  # type: ignore[misc]
 
 
+def _line(number: int) -> str:
+    """A JSON-lines position: the error's ``row`` is 0-based like every row grpo-cli reports (pyarrow/pandas), the
+    editor's 1-based line number is given beside it."""
+    return f"line {number}"
+
+
 def _jsonl_inputs(
     rows: list[dict[str, Any]], keys: Mapping[str, str], file: Path, first_line: int, pad: bool
 ) -> dict[str, Any]:
@@ -612,8 +618,8 @@ def _jsonl_inputs(
         values = []
         for offset, row in enumerate(rows):
             if key not in row or row[key] is None:
-                raise InputError(f"line {first_line + offset}: no '{key}' (earlier lines have it)",
-                                 file=str(file), column=key)
+                raise InputError(f"{_line(first_line + offset)}: no '{key}' (earlier lines have it)",
+                                 file=str(file), column=key, row=first_line + offset - 1)
             values.append(row[key])
         per_sequence = canonical in _PER_SEQUENCE or (
             canonical == "advantages" and not isinstance(values[0], list)
@@ -621,22 +627,22 @@ def _jsonl_inputs(
         if per_sequence:
             if any(isinstance(v, list) for v in values):
                 raise InputError(f"lines {first_line}…: '{key}' must be one number per line", file=str(file),
-                                 column=key)
+                                 column=key, row=first_line - 1)
             out[canonical] = values
             continue
         tensors = []
         for offset, value in enumerate(values):
             if not isinstance(value, list):
-                raise InputError(f"line {first_line + offset}: '{key}' must be a list (one value per token)",
-                                 file=str(file), column=key)
+                raise InputError(f"{_line(first_line + offset)}: '{key}' must be a list (one value per token)",
+                                 file=str(file), column=key, row=first_line + offset - 1)
             try:
                 tensor = torch.tensor(
                     [math.nan if v is None else v for v in value],
                     dtype=torch.int64 if canonical in ("versions",) else torch.float64,
                 )
             except (TypeError, ValueError) as exc:
-                raise InputError(f"line {first_line + offset}: '{key}' is not numeric ({exc})", file=str(file),
-                                 column=key) from None
+                raise InputError(f"{_line(first_line + offset)}: '{key}' is not numeric ({exc})", file=str(file),
+                                 column=key, row=first_line + offset - 1) from None
             if pad:
                 tensor = torch.cat([tensor, tensor.new_full((1,), -1 if canonical == "versions" else 0)])
             tensors.append(tensor)
@@ -804,6 +810,10 @@ def convert(
     if not sources:
         raise UsageError("give at least one source")
     out = Path(out_dir)
+    if source_format is None and not optimize and all(
+        str(source).endswith((".jsonl", ".ndjson")) for source in sources
+    ):
+        source_format = "jsonl"  # JSON lines are recognised by their extension (docs/schema.md)
     if source_format is None:
         if not optimize:
             raise UsageError(f"give --from FORMAT ({', '.join(FORMATS)}) or --optimize")

@@ -29,18 +29,22 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from torch import Tensor
 
-from grpo_cli.core.batch import PER_TOKEN_COLUMNS, TokenBatch
 from grpo_cli.errors import InputError, UsageError
-from grpo_cli.io.align import prepend_slot, unroll_next_token
-from grpo_cli.io.reader import RolloutDataset, expand_paths
 from grpo_cli.io.schema import COLUMNS
-from grpo_cli.io.writer import read_metadata
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from grpo_cli.core.batch import TokenBatch
+    from grpo_cli.io.reader import RolloutDataset
+
+# The preset table, describe() and format_description() need no torch: ``grpo-cli schema`` loads none. The reader,
+# the writer's metadata and the alignment functions (all torch) are imported where a dataset is opened.
 
 __all__ = [
     "PRESETS",
@@ -50,10 +54,16 @@ __all__ = [
     "open_dataset",
     "preset_transforms",
     "resolve_column_map",
+    "unread_column_notes",
 ]
 
-#: Per-token columns a transform shifts (``loss_mask`` is always shifted too: it exists on every batch).
-_SHIFTED = PER_TOKEN_COLUMNS
+
+def _shifted() -> tuple[str, ...]:
+    """Per-token columns a transform shifts (``loss_mask`` is always shifted too: it exists on every batch)."""
+    from grpo_cli.core.batch import PER_TOKEN_COLUMNS
+
+    return tuple(PER_TOKEN_COLUMNS)
+
 _FILL: dict[str, float | int | bool] = {"versions": -1, "loss_mask": False}
 
 
@@ -328,6 +338,8 @@ class UnrollTransform:
         self.skip_files = frozenset(skip_files)
 
     def __call__(self, batch: TokenBatch) -> TokenBatch:
+        from grpo_cli.io.align import unroll_next_token
+
         if batch.file_index in self.skip_files:
             return batch
         changes: dict[str, Tensor] = {}
@@ -349,11 +361,13 @@ class PrependSlotTransform:
         self.skip_files = frozenset(skip_files)
 
     def __call__(self, batch: TokenBatch) -> TokenBatch:
+        from grpo_cli.io.align import prepend_slot
+
         if batch.file_index in self.skip_files:
             return batch
         changes: dict[str, Tensor] = {}
         cu_out = batch.cu_seqlens
-        for name in (*_SHIFTED, "loss_mask"):
+        for name in (*_shifted(), "loss_mask"):
             values = getattr(batch, name)
             if values is not None:
                 changes[name], cu_out = prepend_slot(values, batch.cu_seqlens, _FILL.get(name, 0.0))
@@ -362,13 +376,15 @@ class PrependSlotTransform:
 
 def preset_transforms(preset: Preset | str, dataset: RolloutDataset) -> list[Any]:
     """The batch transforms a preset needs on ``dataset`` (empty for token-aligned frameworks)."""
+    from grpo_cli.io.writer import read_metadata
+
     preset = _by_name(preset) if isinstance(preset, str) else preset
     if preset.alignment == "token":
         return []
     skip = [i for i, path in enumerate(dataset.files) if read_metadata(path).get("alignment") == "token"]
     if preset.alignment == "next_token_short":
         return [PrependSlotTransform(skip)]
-    columns = [c for c in _SHIFTED if c not in preset.token_aligned]
+    columns = [c for c in _shifted() if c not in preset.token_aligned]
     if "advantages" in columns and "advantages" in dataset.columns and not _per_token_advantages(dataset):
         columns.remove("advantages")  # one value per sequence (broadcast by the reader): nothing to shift
     return [UnrollTransform(columns, skip)]
@@ -393,8 +409,10 @@ def open_dataset(
         UsageError: an unknown preset.
         InputError: what :class:`RolloutDataset` raises (missing files or columns, wrong types).
     """
+    from grpo_cli.io.reader import expand_paths
+
     if preset is None:
-        return RolloutDataset(paths, dict(column_map or {}))
+        return _open_noting(paths, dict(column_map or {}), None)
     chosen = _by_name(preset)
     files = expand_paths(paths)
     try:
@@ -411,9 +429,93 @@ def open_dataset(
             file=str(files[0]),
             column="labels",
         )
-    dataset = RolloutDataset(paths, resolved)
+    dataset = _open_noting(paths, resolved, chosen)
     dataset.transforms.extend(preset_transforms(chosen, dataset))
     return dataset
+
+
+def _open_noting(paths: Sequence[str | os.PathLike[str]], column_map: Mapping[str, str],
+                 preset: Preset | None) -> RolloutDataset:
+    """:class:`RolloutDataset` plus the column hints: a missing required column names the preset whose names the
+    file uses, and file columns that look like unread schema columns become ``dataset.notes``."""
+    from grpo_cli.io.reader import RolloutDataset
+
+    try:
+        dataset = RolloutDataset(paths, dict(column_map))
+    except InputError as exc:
+        if exc.column in ("new_logp",) and exc.reason.startswith("required column is missing") and exc.file:
+            hint = _missing_hint(_file_columns(exc.file), preset)
+            if hint:
+                raise InputError(f"{exc.reason}; {hint}", file=exc.file, column=exc.column) from None
+        raise
+    try:
+        available = pq.read_schema(dataset.files[0]).names
+    except (pa.ArrowException, OSError):
+        available = []
+    dataset.notes.extend(unread_column_notes(available, dataset.column_map, dataset.columns, preset))
+    return dataset
+
+
+def _file_columns(path: str) -> list[str]:
+    try:
+        return list(pq.read_schema(path).names)
+    except (pa.ArrowException, OSError):
+        return []
+
+
+def _preset_names(preset: Preset) -> set[str]:
+    return {name for canonical, names in preset.columns.items() for name in names if name != canonical}
+
+
+def _missing_hint(available: Sequence[str], preset: Preset | None) -> str | None:
+    """Which ``--preset`` the file's column names match (by how many of its framework names the file has)."""
+    if preset is not None:
+        names = " or ".join(preset.columns.get("new_logp", ("new_logp",)))
+        return f"--preset {preset.name} reads the new log-prob from {names} (or use --map new_logp=COLUMN)"
+    present = set(available)
+    scores = {p.name: len(_preset_names(p) & present) for p in PRESETS.values()}
+    best = max(scores.values(), default=0)
+    if best == 0:
+        return "name it new_logp or use --map new_logp=COLUMN"
+    matches = [name for name, score in scores.items() if score == best]
+    return (f"the column names match --preset {' or --preset '.join(matches)} (which reads new_logp from "
+            f"{' or '.join(PRESETS[matches[0]].columns['new_logp'])}); or use --map new_logp=COLUMN")
+
+
+def unread_column_notes(available: Sequence[str], column_map: Mapping[str, str], read: Iterable[str],
+                        preset: Preset | None = None) -> list[str]:
+    """Warnings for file columns that look like a schema column the run does not read.
+
+    A column is flagged if a preset would read it as a schema column that is absent (``rollout_log_probs`` →
+    ``old_logp`` under ``--preset verl``) or if its name is close to an absent schema column's (``old_logprobs``);
+    each note names the ``--map`` (and presets) that would use it. A misspelt optional column would otherwise
+    leave its figures "not computed" without a word.
+    """
+    import difflib
+
+    used = set(column_map.values()) | set(read)
+    absent = [c for c in COLUMNS if c not in set(read)]
+    notes = []
+    for name in available:
+        if name in used or name in COLUMNS:
+            continue
+        targets: dict[str, list[str]] = {}
+        for candidate in PRESETS.values():
+            if preset is not None and candidate.name == preset.name:
+                continue
+            for canonical, names in candidate.columns.items():
+                if name in names and canonical in absent:
+                    targets.setdefault(canonical, []).append(candidate.name)
+        if not targets:
+            close = difflib.get_close_matches(name, absent, n=1, cutoff=0.75)
+            if close:
+                targets[close[0]] = []
+        for canonical, presets in targets.items():
+            via = f"--map {canonical}={name}"
+            if presets:
+                via = f"--preset {' or --preset '.join(presets)} (or {via})"
+            notes.append(f"column '{name}' looks like {canonical} but is not read; {via} would use it")
+    return notes
 
 
 

@@ -109,11 +109,8 @@ class RolloutDataset:
         first = self._infos[0]
         for info in self._infos[1:]:
             if info.layout is not first.layout or set(info.actual) != set(first.actual):
-                raise InputError(
-                    f"schema differs from {first.path}: columns {sorted(info.actual)} ({info.layout.value}) vs "
-                    f"{sorted(first.actual)} ({first.layout.value})",
-                    file=str(info.path),
-                )
+                raise InputError(f"schema differs from {first.path}: {_schema_difference(info, first)}",
+                                 file=str(info.path))
             for name, dtype in info.types.items():
                 if _kind_signature(dtype) != _kind_signature(first.types[name]):
                     raise InputError(
@@ -123,6 +120,9 @@ class RolloutDataset:
                     )
         self.layout = first.layout
         self.columns: frozenset[str] = frozenset(first.actual)
+        self.notes: list[str] = []
+        """Warnings about the input that do not stop a run (a column that looks like a schema column but is not
+        read, …): the library returns them, the CLI prints them to stderr."""
 
     # -- inspection ---------------------------------------------------------------------------------------------
     def _inspect(self, path: Path) -> _FileInfo:
@@ -147,7 +147,10 @@ class RolloutDataset:
                 )
         for canonical in REQUIRED_COLUMNS:
             if canonical not in actual:
-                raise InputError("required column is missing", file=str(path), column=canonical)
+                raise InputError(
+                    f"required column is missing (the file has: {', '.join(schema.names) or 'no columns'})",
+                    file=str(path), column=canonical,
+                )
         layout = Layout.SEQUENCE_PER_ROW if _is_list(types["new_logp"]) else Layout.TOKEN_PER_ROW
         if layout is Layout.TOKEN_PER_ROW and "seq_id" not in actual:
             raise InputError(
@@ -161,6 +164,49 @@ class RolloutDataset:
             if problem:
                 raise InputError(problem, file=str(path), column=actual[canonical])
         return _FileInfo(path, layout, actual, types, parquet.metadata)
+
+    # -- --group-by on any per-sequence column ----------------------------------------------------------------------
+    def group_column_problem(self, name: str) -> str | None:
+        """Why file column ``name`` (after ``--map``) cannot split the dump by value, or ``None`` when it can: it
+        must exist in every file and hold one scalar per row (string, int, bool, float or dictionary-encoded)."""
+        actual = self.column_map.get(name, name)
+        for info in self._infos:
+            schema = info.metadata.schema.to_arrow_schema()
+            index = schema.get_field_index(actual)
+            if index < 0:
+                return f"the dump has no '{actual}' column ({info.path})"
+            dtype = schema.field(index).type
+            if pa.types.is_dictionary(dtype):
+                dtype = dtype.value_type
+            scalar = (pa.types.is_string(dtype) or pa.types.is_large_string(dtype) or _is_int(dtype)
+                      or _is_float(dtype) or pa.types.is_boolean(dtype))
+            if not scalar:
+                return f"column '{actual}' has type {dtype}: a group key must be one scalar per sequence"
+        return None
+
+    def group_values(self, name: str) -> list[object]:
+        """The sorted distinct values of file column ``name`` over every file: a sequence's ``group_key`` code is
+        its value's index here, so codes are the same whatever the batches, shards or workers, and ascending codes
+        are ascending values. Read once per dataset (one column)."""
+        cache: dict[str, list[object]] = self.__dict__.setdefault("_group_values", {})
+        if name not in cache:
+            import pyarrow.compute as pc
+
+            actual = self.column_map.get(name, name)
+            found: set[object] = set()
+            for info in self._infos:
+                column = pq.read_table(info.path, columns=[actual]).column(actual)
+                if column.null_count:
+                    chunk_rows = 0
+                    for chunk in column.chunks:
+                        if chunk.null_count:
+                            raise InputError("null value (a group key must be set on every row)",
+                                             file=str(info.path), column=actual,
+                                             row=chunk_rows + _first_null_row(chunk))
+                        chunk_rows += len(chunk)
+                found.update(pc.unique(_decoded(column.combine_chunks())).to_pylist())
+            cache[name] = sorted(found)  # type: ignore[type-var]
+        return cache[name]
 
     # -- sharding -----------------------------------------------------------------------------------------------
     def shards(self) -> list[Shard]:
@@ -203,6 +249,7 @@ class RolloutDataset:
         batch_tokens: int = DEFAULT_BATCH_TOKENS,
         shards: Sequence[Shard] | None = None,
         raw_mask: bool = False,
+        group_key: str | None = None,
     ) -> Iterator[TokenBatch]:
         """Yield packed batches of whole sequences, each about ``batch_tokens`` tokens (at least one sequence).
 
@@ -213,17 +260,22 @@ class RolloutDataset:
             raw_mask: keep an integer ``loss_mask`` column's values as read (its own dtype, also through the
                 transforms) instead of ``!= 0``, so that :class:`grpo_cli.engine.validate.BatchValidator` can reject
                 values other than 0/1; the validator then makes it the bool mask every consumer expects.
+            group_key: a file column whose per-sequence values become ``batch.group_key``, coded as indices into
+                :meth:`group_values` (``--group-by`` on a string or other non-schema column).
         """
         if batch_tokens < 1:
             raise ValueError("batch_tokens must be >= 1")
         wanted = set(self.columns if columns is None else columns) & self.columns
         wanted.add("new_logp")
+        key = None
+        if group_key is not None:
+            key = (self.column_map.get(group_key, group_key), pa.array(self.group_values(group_key)))
         for shard in self.shards() if shards is None else shards:
             info = self._infos[shard.file_index]
             if info.layout is Layout.SEQUENCE_PER_ROW:
-                batches = self._iter_sequence_rows(info, shard, wanted, batch_tokens)
+                batches = self._iter_sequence_rows(info, shard, wanted, batch_tokens, key)
             else:
-                batches = self._iter_token_rows(info, shard, wanted, batch_tokens)
+                batches = self._iter_token_rows(info, shard, wanted, batch_tokens, key)
             for batch in batches:
                 if not raw_mask and batch.loss_mask.dtype != torch.bool:
                     batch.loss_mask = batch.loss_mask != 0
@@ -249,27 +301,34 @@ class RolloutDataset:
             raise InputError(f"cannot open ({_first_line(exc)})", file=str(info.path)) from None
 
     def _iter_sequence_rows(
-        self, info: _FileInfo, shard: Shard, wanted: set[str], batch_tokens: int
+        self, info: _FileInfo, shard: Shard, wanted: set[str], batch_tokens: int, key: _GroupKey | None = None
     ) -> Iterator[TokenBatch]:
         parquet = self._open(info)
         names = [info.actual[c] for c in sorted(wanted)]
+        if key is not None and key[0] not in names:
+            names.append(key[0])
         rows_per_batch = max(1, (batch_tokens * shard.n_rows) // max(shard.n_tokens, 1))
         row = shard.first_row
         try:
             for record_batch in parquet.iter_batches(
                 batch_size=rows_per_batch, row_groups=list(shard.row_groups), columns=names, use_threads=True
             ):
-                yield _sequence_batch(info, shard.file_index, record_batch, row, wanted)
+                batch = _sequence_batch(info, shard.file_index, record_batch, row, wanted)
+                if key is not None:
+                    batch.group_key = _group_codes(info, record_batch.column(key[0]), key, row)
+                yield batch
                 row += record_batch.num_rows
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"cannot decode ({_first_line(exc)})", file=str(info.path), row=row) from None
 
     def _iter_token_rows(
-        self, info: _FileInfo, shard: Shard, wanted: set[str], batch_tokens: int
+        self, info: _FileInfo, shard: Shard, wanted: set[str], batch_tokens: int, key: _GroupKey | None = None
     ) -> Iterator[TokenBatch]:
         parquet = self._open(info)
         wanted = wanted | {"seq_id"}
         names = [info.actual[c] for c in sorted(wanted)]
+        if key is not None and key[0] not in names:
+            names.append(key[0])
         carry: dict[str, Tensor] | None = None
         row = 0  # file row of carry's first token
         seen_ids: set[int] = set()
@@ -279,8 +338,10 @@ class RolloutDataset:
             )
             for record_batch in batches:
                 flat = {c: _flat_column(info, c, record_batch.column(info.actual[c]), row) for c in wanted}
+                if key is not None:
+                    flat[_KEY] = _group_codes(info, record_batch.column(key[0]), key, row)
                 if carry is not None:
-                    flat = {c: torch.cat([carry[c], flat[c]]) for c in wanted}
+                    flat = {c: torch.cat([carry[c], flat[c]]) for c in flat}
                 boundaries = _run_boundaries(flat["seq_id"])
                 # The last run may continue in the next record batch: hold it back.
                 cut = int(boundaries[-2])
@@ -294,6 +355,20 @@ class RolloutDataset:
                 yield _token_batch(info, shard.file_index, carry, boundaries, row, wanted, seen_ids)
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"cannot decode ({_first_line(exc)})", file=str(info.path), row=row) from None
+
+
+def _schema_difference(info: _FileInfo, first: _FileInfo) -> str:
+    """What differs between two files' schema columns (not both lists)."""
+    parts = []
+    extra = sorted(set(info.actual) - set(first.actual))
+    missing = sorted(set(first.actual) - set(info.actual))
+    if extra:
+        parts.append(f"this file also has {', '.join(extra)}")
+    if missing:
+        parts.append(f"this file lacks {', '.join(missing)}")
+    if info.layout is not first.layout:
+        parts.append(f"layout {info.layout.value} vs {first.layout.value}")
+    return "; ".join(parts)
 
 
 # -- type checks ------------------------------------------------------------------------------------------------
@@ -501,4 +576,29 @@ def _token_batch(
         values = flat[canonical]
         per_sequence = COLUMNS[canonical].kind in (ColumnKind.SEQUENCE_FLOAT, ColumnKind.SEQUENCE_INT)
         data[canonical] = values[first] if per_sequence else values
-    return _make_batch(data, cu_seqlens, file_index, first + row0)
+    batch = _make_batch(data, cu_seqlens, file_index, first + row0)
+    if _KEY in flat:
+        batch.group_key = flat[_KEY][first]  # a sequence's key is its first row's
+    return batch
+
+
+_KEY = "\0group_key"
+"""The flat-column slot of the ``group_key`` codes while token-per-row runs are cut into sequences."""
+
+_GroupKey = tuple[str, pa.Array]
+"""(file column, its sorted distinct values) of a ``--group-by`` column read as codes."""
+
+
+def _decoded(array: pa.Array) -> pa.Array:
+    return array.dictionary_decode() if pa.types.is_dictionary(array.type) else array
+
+
+def _group_codes(info: _FileInfo, array: pa.Array, key: _GroupKey, row0: int) -> Tensor:
+    """Per-row values → int64 indices into the dump's sorted distinct values."""
+    import pyarrow.compute as pc
+
+    if array.null_count:
+        raise InputError("null value (a group key must be set on every row)", file=str(info.path), column=key[0],
+                         row=row0 + _first_null_row(array))
+    codes = pc.index_in(_decoded(array), value_set=key[1])
+    return torch.from_numpy(codes.to_numpy(zero_copy_only=False).astype("int64"))

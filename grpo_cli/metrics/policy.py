@@ -65,15 +65,20 @@ class PolicyGroup(MetricGroup):
         Figure("kl/k3", "mean(e^d − 1 − d), d = new − old: k3 estimate of KL(old ‖ new)", needs=(OLD,),
                peers={"twinkle": "train/approx_kl"}),
         Figure("kl/k3_token_max", "largest per-token k3", needs=(OLD,), peers={"twinkle": "train/token_kl_max"}),
-        Figure("top_kl", "the highest-k3 tokens", section="kl", reduce="table",
+        Figure("top_kl", "the highest-k3 tokens (file, row, position), with the ratio against old and against the "
+               "ratio base", section="kl", reduce="table",
                needs=(OLD, option(lambda c: c.top_k > 0, "disabled with --top-k 0"))),
-        Figure("ratio/max", "largest per-token ratio", needs=(BASE,),
-               peers={"twinkle": "train/token_ratio_max"}),
-        Figure("clip/cispo", "CISPO: r outside [1 − ε, 1 + ε_high], regardless of A", reduce="fraction", needs=(BASE,)),
+        Figure("top_ratio", "the highest-ratio tokens (file, row, position); ratio base: prox_logp if present, "
+               "else old_logp (config ratio_base); the first is ratio/max's", section="ratio", reduce="table",
+               needs=(BASE, option(lambda c: c.top_k > 0, "disabled with --top-k 0"))),
+        Figure("ratio/max", "largest per-token ratio π_θ/π_base (base: prox_logp if present, else old_logp; "
+               "top_ratio locates it)", needs=(BASE,), peers={"twinkle": "train/token_ratio_max"}),
+        Figure("clip/cispo", "CISPO: r outside [1 − ε, 1 + ε_high], regardless of A (r against the ratio base)",
+               reduce="fraction", needs=(BASE,)),
         Figure("clip/cispo_low", "CISPO: r < 1 − ε", reduce="fraction", needs=(BASE,)),
         Figure("clip/cispo_high", "CISPO: r > 1 + ε_high", reduce="fraction", needs=(BASE,)),
-        Figure("clip/ratio", "tokens clipped by PPO: clip/low + clip/high", needs=(BASE, ADV),
-               peers={"verl": "actor/pg_clipfrac", "twinkle": "train/clip_ratio"}),
+        Figure("clip/ratio", "tokens clipped by PPO: clip/low + clip/high (r against the ratio base: prox or old)",
+               needs=(BASE, ADV), peers={"verl": "actor/pg_clipfrac", "twinkle": "train/clip_ratio"}),
         Figure("clip/low", "r < 1 − ε with A < 0", reduce="fraction", needs=(BASE, ADV),
                peers={"twinkle": "train/clip_ratio_low"}),
         Figure("clip/high", "r > 1 + ε_high with A > 0", reduce="fraction", needs=(BASE, ADV),
@@ -88,7 +93,7 @@ class PolicyGroup(MetricGroup):
         return frozenset({"new_logp", "old_logp", "prox_logp", "advantages", "entropy"})
 
     def init_state(self, config: AnalyzeConfig, device: torch.device | str) -> MetricState:
-        return policy_stats_state(config.top_k, device)
+        return policy_stats_state(config.top_k, device, top_ratio=True)
 
     def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: AnalyzeConfig) -> None:
         policy_stats_update(

@@ -137,7 +137,7 @@ def trend_chart(
     """Lines of ``series`` (label → one value per ``x``; ``None`` leaves a gap) over ``x``; with ``base_series``
     (``report --compare``), the base run's lines of the same labels over ``base_x``, dashed in the same colours."""
     from matplotlib import rc_context
-    from matplotlib.ticker import StrMethodFormatter
+    from matplotlib.ticker import MaxNLocator, StrMethodFormatter
 
     with rc_context(_rc()):
         fig = _figure()
@@ -152,12 +152,34 @@ def trend_chart(
         if hline is not None:
             ax.axhline(hline[0], color="#555555", linestyle="--", linewidth=0.9, label=hline[1])
         ax.set_xlabel(xlabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and versions are integers: no 0.5 ticks
+        linthresh = _spike_threshold([v for values in series.values() for v in _nan(values)])
+        if linthresh is not None:
+            # One spike would flatten every other point into a line at 0: linear up to the typical size, then log
+            # (matplotlib's "symlog" scale; the label says so).
+            ax.set_yscale("symlog", linthresh=linthresh)
+            ylabel = f"{ylabel} (symlog above {linthresh:.3g})"
         ax.set_ylabel(ylabel)
         # Each tick carries its own value: matplotlib's shared "1e6" offset label would collide with the legend.
         ax.yaxis.set_major_formatter(StrMethodFormatter("{x:.3g}"))
         ax.margins(x=0.01)
         _legend(ax, len(series) + n_base + (hline is not None))
         return _to_svg(fig, prefix)
+
+
+SPIKE_FACTOR = 20.0
+"""A trend gets a symlog axis when its largest |value| exceeds this many times the median |value|."""
+
+
+def _spike_threshold(values: Sequence[float]) -> float | None:
+    """The linear range of a symlog axis (the median |value|) when one outlier dwarfs the rest, else ``None``."""
+    finite = sorted(abs(v) for v in values if math.isfinite(v))
+    if len(finite) < 5:
+        return None
+    median = finite[len(finite) // 2]
+    if median <= 0 or finite[-1] <= SPIKE_FACTOR * median:
+        return None
+    return median
 
 
 def _legend(ax: Axes, n: int) -> None:

@@ -96,6 +96,24 @@ def to_csv(
     return buffer.getvalue()
 
 
+def to_wide_csv(metrics: Mapping[str, Any], groups: list[dict[str, Any]] | None = None, *,
+                group_by: str | None = None) -> str:
+    """Wide form for pandas and spreadsheets: one row per group key (first the whole dump, key ``all``), one column
+    per scalar figure (the union over rows, in first-seen order; an empty cell where a row lacks it). List-valued
+    figures (``top_kl``, histograms) have no place in a grid and are left out (``--format json`` keeps them)."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    table = [("all", _strict(dict(metrics)))]
+    table += [(group["key"], _strict(dict(group["metrics"]))) for group in groups or []]
+    columns: dict[str, None] = {}
+    for _, values in table:
+        columns.update((key, None) for key, value in values.items() if not isinstance(value, (list, dict)))
+    writer.writerow([group_by or "group", *columns])
+    for key, values in table:
+        writer.writerow([key, *("" if values.get(c) is None else values[c] for c in columns)])
+    return buffer.getvalue()
+
+
 def analyze_document(result: AnalysisResult, *, preset: str | None = None) -> dict[str, Any]:
     """What ``analyze --format json`` prints for ``result`` (``groups`` when it was grouped)."""
     extra: dict[str, Any] = {"columns": result.columns}

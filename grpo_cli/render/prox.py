@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -87,35 +88,14 @@ def render_compare_prox_table(
         for row in metrics.get(f"prox/{m}/by_staleness") or []:
             by_lag.setdefault((bool(row.get("underflow")), row["lag"]), {})[m] = row
     if by_lag:
-        table = Table(
-            title=f"By staleness lag k = v_θ − v_b (* abs_error_mean > tolerance {tolerance:g})",
-            title_justify="left",
-        )
-        table.add_column("lag", justify="right", no_wrap=True)
-        table.add_column("tokens", justify="right", no_wrap=True)
-        with_clip = any("clip_flip_frac" in r for rows in by_lag.values() for r in rows.values())
-        for m in methods:
-            table.add_column(f"{m}\n|err|", justify="right", no_wrap=True)
-            table.add_column(f"{m}\nrmse", justify="right", no_wrap=True)
-            if with_clip:
-                table.add_column(f"{m}\nclip flip", justify="right", no_wrap=True)
-        for key in sorted(by_lag):
-            rows = by_lag[key]
-            first = next(iter(rows.values()))
-            cells = [lag_label(first), format_value(first["n_tokens"])]
+        title = f"By staleness lag k = v_θ − v_b (* abs_error_mean > tolerance {tolerance:g})"
+        table = _lag_table(title, by_lag, methods, tolerance)
+        natural = Measurement.get(console, console.options.update_width(10_000), table).maximum
+        if natural <= console.width or len(methods) == 1:
+            console.print(table)
+        else:  # too wide for this terminal (3 methods × 3 columns): one table per method, nothing cut
             for m in methods:
-                row = rows.get(m)
-                if row is None:
-                    cells += ["—"] * (3 if with_clip else 2)
-                    continue
-                err = row["abs_error_mean"]
-                flag = "" if err <= tolerance else "*"
-                cells.append(Text(_short(err) + flag, style="red" if flag else ""))
-                cells.append(_short(row["rmse"]))
-                if with_clip:
-                    cells.append(_short(row["clip_flip_frac"]) if "clip_flip_frac" in row else "—")
-            table.add_row(*cells)
-        console.print(table)
+                console.print(_lag_table(f"{title} — {m}", by_lag, [m], tolerance))
 
     if recommendations:
         console.print(Text(f"Max safe lag (tolerance {tolerance:g} on abs_error_mean):", style="bold"))
@@ -123,3 +103,37 @@ def render_compare_prox_table(
             if m in recommendations:
                 console.print(Text(f"  {recommendations[m]}"))
     render_omitted(console, omitted)
+
+
+def _lag_table(
+    title: str, by_lag: Mapping[tuple[bool, int], Mapping[str, Mapping[str, Any]]], methods: Sequence[str],
+    tolerance: float,
+) -> Table:
+    """Lags as rows; per method |err|, rmse and (when computed) the clip-flip fraction."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("lag", justify="right", no_wrap=True)
+    table.add_column("tokens", justify="right", no_wrap=True)
+    with_clip = any("clip_flip_frac" in r for rows in by_lag.values() for r in rows.values())
+    prefix = len(methods) > 1
+    for m in methods:
+        table.add_column(f"{m}\n|err|" if prefix else "|err|", justify="right", no_wrap=True)
+        table.add_column(f"{m}\nrmse" if prefix else "rmse", justify="right", no_wrap=True)
+        if with_clip:
+            table.add_column(f"{m}\nclip flip" if prefix else "clip flip", justify="right", no_wrap=True)
+    for key in sorted(by_lag):
+        rows = by_lag[key]
+        first = next(iter(rows.values()))
+        cells: list[Any] = [lag_label(first), format_value(first["n_tokens"])]
+        for m in methods:
+            row = rows.get(m)
+            if row is None:
+                cells += ["—"] * (3 if with_clip else 2)
+                continue
+            err = row["abs_error_mean"]
+            flag = "" if err <= tolerance else "*"
+            cells.append(Text(_short(err) + flag, style="red" if flag else ""))
+            cells.append(_short(row["rmse"]))
+            if with_clip:
+                cells.append(_short(row["clip_flip_frac"]) if "clip_flip_frac" in row else "—")
+        table.add_row(*cells)
+    return table

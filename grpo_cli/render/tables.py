@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -68,22 +68,72 @@ def render_table(
             table.add_row(key, format_value(metrics[key]), f"{origin}: {meaning}" if origin != key else meaning)
         console.print(table)
     render_distributions(console, metrics)
+    prox = config.get("ratio_base") == "prox"
     top = metrics.get("top_kl")
     if top:
         table = Table(title="Highest-KL tokens (k3 vs old)", title_justify="left")
-        for column in ("file", "row", "position", "kl", "ratio", "new_logp", "old_logp"):
+        values = ("kl", "ratio", "ratio_base", "new_logp", "old_logp") if prox else (
+            "kl", "ratio", "new_logp", "old_logp")
+        for column in ("file", "row", "position", *values):
+            header = {"ratio": "ratio vs old", "ratio_base": "ratio vs prox"}.get(column, column)
+            table.add_column(header, justify="right")
+        merged = _merge_identical(top, values)
+        for record, rows in merged:
+            table.add_row(*_location(record, inputs, rows), *(format_value(record.get(c)) for c in values))
+        _note_merged(table, merged)
+        console.print(table)
+    top_ratio = metrics.get("top_ratio")
+    if top_ratio:
+        base = "prox" if prox else "old"
+        table = Table(title=f"Highest-ratio tokens (π_θ / π_{base}; the first is ratio/max)", title_justify="left")
+        for column in ("file", "row", "position", "ratio", "new_logp", f"{base}_logp"):
             table.add_column(column, justify="right")
-        for record in top:
-            file_index = record["file"]
-            name = os.path.basename(inputs[file_index]) if 0 <= file_index < len(inputs) else str(file_index)
-            table.add_row(
-                name,
-                str(record["row"]),
-                str(record["position"]),
-                *(format_value(record[c]) for c in ("kl", "ratio", "new_logp", "old_logp")),
-            )
+        merged = _merge_identical(top_ratio, ("ratio", "new_logp", "base_logp"))
+        for record, rows in merged:
+            table.add_row(*_location(record, inputs, rows),
+                          *(format_value(record[c]) for c in ("ratio", "new_logp", "base_logp")))
+        _note_merged(table, merged)
         console.print(table)
     render_omitted(console, omitted)
+
+
+def _location(record: Mapping[str, Any], inputs: Sequence[str], rows: Sequence[int] = ()) -> tuple[str, str, str]:
+    file_index = record["file"]
+    name = os.path.basename(inputs[file_index]) if 0 <= file_index < len(inputs) else str(file_index)
+    return name, _row_list(rows or [record["row"]]), str(record["position"])
+
+
+def _row_list(rows: Sequence[int]) -> str:
+    """``[3, 4, 5, 9]`` → ``3–5, 9``."""
+    runs: list[list[int]] = []
+    for row in sorted(rows):
+        if runs and row == runs[-1][1] + 1:
+            runs[-1][1] = row
+        else:
+            runs.append([row, row])
+    return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs)
+
+
+def _merge_identical(
+    records: Sequence[Mapping[str, Any]], values: Sequence[str]
+) -> list[tuple[Mapping[str, Any], list[int]]]:
+    """Top-token rows that differ only in their row (the same token of duplicated sequences: repeated prompts and
+    identical samples) become one line listing the rows."""
+    merged: list[tuple[Mapping[str, Any], list[int]]] = []
+    index: dict[tuple[Any, ...], int] = {}
+    for record in records:
+        key = (record["file"], record["position"], *(record.get(c) for c in values))
+        if key in index:
+            merged[index[key]][1].append(record["row"])
+        else:
+            index[key] = len(merged)
+            merged.append((record, [record["row"]]))
+    return merged
+
+
+def _note_merged(table: Table, merged: Sequence[tuple[Mapping[str, Any], list[int]]]) -> None:
+    if any(len(rows) > 1 for _, rows in merged):
+        table.caption = "rows with identical values are merged (the same token in duplicated sequences)"
 
 
 def render_omitted(console: Console, omitted: Mapping[str, str]) -> None:

@@ -1,0 +1,64 @@
+"""Read the right ratio: ``top_ratio`` locates ``ratio/max``; the config names the ratio base; ``top_kl`` lists the
+ratio against both old and prox."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from reference import random_sequences, write_sequences
+
+from grpo_cli.cli import main
+
+
+def run_json(capsys, *args):
+    code = main([str(a) for a in args] + ["-f", "json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(captured.out)
+
+
+def _location_of_max(seqs, base_attr):
+    best = (-math.inf, None)
+    for row, s in enumerate(seqs):
+        base = getattr(s, base_attr)
+        for t in s.valid():
+            r = math.exp(float(s.new[t]) - float(base[t]))
+            if r > best[0]:
+                best = (r, (row, t))
+    return best
+
+
+def test_top_ratio_locates_ratio_max_against_prox(capsys, tmp_path):
+    seqs = random_sequences(15, seed=11, max_len=9)
+    for s in seqs:
+        s.prox = [o - 0.05 * (i % 3) for i, o in enumerate(s.old)]
+    path = tmp_path / "d.parquet"
+    write_sequences(str(path), seqs)
+    doc = run_json(capsys, "analyze", path, "--batch-tokens", "13")
+    assert doc["config"]["ratio_base"] == "prox"
+    top = doc["metrics"]["top_ratio"]
+    assert len(top) == 10 and top[0]["ratio"] == doc["metrics"]["ratio/max"]
+    value, (row, position) = _location_of_max(seqs, "prox")
+    assert top[0]["ratio"] == pytest.approx(value, rel=1e-5)
+    assert (top[0]["file"], top[0]["row"], top[0]["position"]) == (0, row, position)
+    first = doc["metrics"]["top_kl"][0]
+    s = seqs[first["row"]]
+    t = first["position"]
+    assert first["ratio_base"] == pytest.approx(math.exp(s.new[t] - s.prox[t]), rel=1e-5)
+    assert first["ratio"] == pytest.approx(math.exp(s.new[t] - s.old[t]), rel=1e-5)
+
+
+def test_ratio_base_old_without_prox_and_table(capsys, tmp_path):
+    seqs = random_sequences(8, seed=2, max_len=6)
+    path = tmp_path / "d.parquet"
+    write_sequences(str(path), seqs)
+    doc = run_json(capsys, "analyze", path)
+    assert doc["config"]["ratio_base"] == "old"
+    assert doc["metrics"]["top_ratio"][0]["ratio"] == doc["metrics"]["ratio/max"]
+    code = main(["analyze", str(path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "Highest-ratio tokens" in out
+    doc = run_json(capsys, "analyze", path, "--top-k", "0")
+    assert "top_ratio" not in doc["metrics"] and "--top-k 0" in doc["omitted"]["top_ratio"]
