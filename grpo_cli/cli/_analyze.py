@@ -133,6 +133,10 @@ def analyze(
     ] = False,
     max_staleness: MaxStalenessOpt = 4,
     prox_approximation: ProxApproximationOpt = None,
+    findings: Annotated[
+        bool, typer.Option("--findings/--no-findings", help="Diagnose the run (default); --no-findings skips the "
+                           "detectors' statistics, about twice as fast on large dumps (docs/performance.md).")
+    ] = True,
     wide: Annotated[
         bool, typer.Option("--wide", help="With --format csv: one row per group key, one column per figure.")
     ] = False,
@@ -163,7 +167,7 @@ def analyze(
     by_step = tensorboard is not None and group_by is None and "step" in dataset.columns
     if by_step:
         config = dataclasses.replace(config, group_by="step")
-    detect = DetectConfig(max_staleness=max_staleness, prox_approximation=prox_approximation)
+    detect = DetectConfig(max_staleness=max_staleness, prox_approximation=prox_approximation) if findings else None
     with progress_bar(dataset.n_tokens, quiet) as progress:
         result = run_analysis(dataset, config, progress=progress, workers=resolve_workers(workers, device),
                               findings=detect)

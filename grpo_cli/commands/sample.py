@@ -1,4 +1,4 @@
-"""Sample rollout data from a real, tiny, asynchronous GRPO run (issue 2 §6).
+"""Sample rollout data from a real, tiny, asynchronous GRPO run.
 
 :func:`generate_sample` trains a tiny causal transformer (:class:`grpo_cli.commands._sample_model.TinyCausalLM`: one
 pre-LN block, d_model 64, 4 heads) from random initial weights with GRPO on a checkable toy task and

@@ -1,4 +1,4 @@
-"""The remaining statistics AReaL's PPO actor logs that a dump supports (``shared/reference/areal.md`` §4.3).
+"""The remaining statistics AReaL's PPO actor logs that a dump supports (AReaL ``areal/engine/ppo/actor.py``).
 
 Per sequence (AReaL's ``n_seqs`` denominators), over every sequence of the dump:
 

@@ -1,7 +1,7 @@
 """Advantage estimators: AReaL's normalisation and token-level GAE, and the GRPO-family peers.
 
-Each function mirrors one framework function (formula-level descriptions in ``shared/reference/areal.md`` §1,
-§2.2 and ``shared/reference/peers.md`` §1.4, §3, §4):
+Each function mirrors one framework function (AReaL's ``areal/utils/functional.py`` and
+``areal/engine/ppo/actor.py``, verl's ``verl/trainer/ppo/core_algos.py``):
 
 ================================  ==========================================================================
 grpo-cli                          mirrors

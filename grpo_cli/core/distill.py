@@ -1,5 +1,5 @@
-"""AReaL's joint knowledge distillation (``grpo_loss_fn`` with a ``teacher_logp``; ``shared/reference/areal.md`` §1.6
-step 5).
+"""AReaL's joint knowledge distillation (``grpo_loss_fn`` with a ``teacher_logp``, in AReaL's
+``areal/engine/ppo/actor.py``).
 
 With ``m`` the loss mask, ``N = max(Σm, 1)``, ℓθ the policy, ℓT the teacher and ℓb the behaviour log-probs:
 

@@ -1,9 +1,9 @@
-"""The GRPO-family losses of seed 001 (GRPO, GSPO, SAPO, CISPO, BNPO, Dr.GRPO) as streaming terms.
+"""The GRPO-family losses (GRPO, GSPO, SAPO, CISPO, BNPO, Dr.GRPO) as streaming terms.
 
 One core function, :func:`grpo_family_loss_terms`, computes ``(numerator, denominator)`` for a batch of
 packed tokens; the loss is ``Σ numerator / Σ denominator`` over any split of the data into batches of whole
 sequences. The loss objects in :mod:`grpo_cli.core.loss_objects` call it after aligning twinkle-style inputs.
-Conventions follow twinkle (``shared/reference/twinkle.md`` §2–3) and TRL; see ``docs/losses.md``.
+Conventions follow twinkle (twinkle's ``twinkle.loss`` classes) and TRL; see ``docs/losses.md``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The bins are the float32 binades ``[2^e, 2^(e+1))`` for ``e`` in ``[MIN_EXPONENT
 ``2^MANTISSA_BITS`` equal parts (the HDR-histogram layout). A value's bin is read straight off its float32 bit
 pattern (``bits >> (23 − MANTISSA_BITS)``), so assignment is exact: no ``log``, no rounding at the edges, the same
 bin on every device. Counting is an unweighted integer ``bincount``, which is deterministic on CPU and CUDA (unlike
-``histc`` or a weighted ``bincount``, see ``shared/reference/ecosystem.md`` §2.2), and two histograms merge by
+``histc`` or a weighted ``bincount``, see torch's ``histc``/``bincount`` notes), and two histograms merge by
 adding their counts, so a histogram does not depend on batching, workers or ranks.
 
 Each bin ``[lo, hi)`` has ``hi − lo = 2^(e − MANTISSA_BITS) ≤ lo · 2^−MANTISSA_BITS``; reporting its midpoint

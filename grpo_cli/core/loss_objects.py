@@ -1,6 +1,6 @@
-"""The seed's GRPO-family loss objects (seed 001): GRPO, GSPO, SAPO, CISPO, BNPO and Dr.GRPO.
+"""The GRPO-family loss objects (twinkle's ``twinkle.loss`` API): GRPO, GSPO, SAPO, CISPO, BNPO and Dr.GRPO.
 
-Usage mirrors twinkle's ``twinkle.loss`` classes (``shared/reference/twinkle.md`` §2–3) with the seed's
+Usage mirrors twinkle's ``twinkle.loss`` classes (twinkle's ``twinkle.loss`` classes) with twinkle's
 documented constructor names::
 
     loss_fn = GRPOLoss(clip_range=0.2, beta=0.01)

@@ -1,4 +1,4 @@
-"""The seed's GRPOMetric family for training loops: thin stateful wrappers over ``core.policy_stats``.
+"""twinkle's GRPOMetric family for training loops: thin stateful wrappers over ``core.policy_stats``.
 
 The same core computes ``grpo-cli analyze``'s figures, so a training loop and the CLI agree by construction.
 Differences from twinkle's implementation, on purpose: advantage tensors are honoured, means divide by the tokens
@@ -42,7 +42,8 @@ class GRPOMetric:
         process_group: ``torch.distributed`` group to all-reduce over in :meth:`calculate`.
         epsilon: lower clip width ε.
         epsilon_high: upper clip width (default ε).
-        temperature: sampling temperature; log-probs are multiplied by it (rescaled to T = 1) as in the seed.
+        temperature: sampling temperature; log-probs are multiplied by it (rescaled to T = 1), as twinkle's
+            GRPOMetric does.
         top_k_kl: if > 0, also return the k highest-KL tokens under ``train/top_kl``.
         ignore_index: label value marking tokens that are not scored.
 

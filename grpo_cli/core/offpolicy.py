@@ -1,4 +1,4 @@
-"""Off-policy diagnostics as a functional core (issue 4 §1–§4, §7): ``*_state`` / ``*_update`` / ``*_compute``.
+"""Off-policy diagnostics as a functional core: ``*_state`` / ``*_update`` / ``*_compute``.
 
 Inputs are *valid tokens only* (compacted by the loss mask), packed with ``cu_seqlens``. Every figure is computed
 from a :class:`~grpo_cli.core.state.MetricState` (int64 counts, float64 sums, min/max, int64 histograms), so it does

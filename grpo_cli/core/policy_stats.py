@@ -1,11 +1,12 @@
 """The GRPOMetric family's figures as a functional core: ``policy_stats_state`` / ``_update`` / ``_compute``.
 
 Inputs are *valid tokens only* (already compacted by the loss mask), packed with ``cu_seqlens``. Definitions follow the
-seed document (twinkle's ``GRPOMetric``), with the corrections grpo-cli makes on purpose (see ``docs/metrics.md``):
+twinkle's ``GRPOMetric``, with the corrections grpo-cli makes on purpose (see ``docs/metrics.md``):
 means divide by the tokens that actually had the input, maxima are true maxima over valid tokens, advantage tensors are
 honoured.
 
-With ``d = T·new − T·base`` (``T`` the sampling temperature, rescaling log-probs back to T = 1 as the seed does) and
+With ``d = T·new − T·base`` (``T`` the sampling temperature, rescaling log-probs back to T = 1 as twinkle's
+GRPOMetric does) and
 ``r = exp(d)``:
 
 - ``kl/k3 = mean(exp(d_old) − d_old − 1)``: Schulman's k3 estimator of KL(π_old ‖ π_θ) with samples from π_old.
@@ -80,7 +81,7 @@ def policy_stats_state(
 
 
 def rescale_to_unit_temperature(logp: Tensor, temperature: float) -> Tensor:
-    """Log-probs sampled at temperature T rescaled to T = 1 as the seed does: ``ℓ·T`` when T > 0 and T ≠ 1.
+    """Log-probs sampled at temperature T rescaled to T = 1 as twinkle's GRPOMetric does: ``ℓ·T`` when T > 0 and T ≠ 1.
 
     (twinkle's ``GRPOMetric``; an approximation, since T·log softmax(z/T) ≠ log softmax(z).) Every figure that
     honours ``--temperature`` goes through this one function.
@@ -119,7 +120,7 @@ def policy_stats_update(
         ratio_base_logp: ``[N]`` base of the PPO ratio for ``ratio/*`` and ``clip/*`` (default ``old_logp``;
             ``prox_logp`` for decoupled PPO).
         advantages: ``[N]`` per-token advantages; clip figures need them.
-        entropy: ``[N]`` token entropies (not temperature-rescaled, as in the seed).
+        entropy: ``[N]`` token entropies (not temperature-rescaled, as twinkle's GRPOMetric does).
         epsilon: lower clip width ε.
         epsilon_high: upper clip width (default ε).
         temperature: sampling temperature the log-probs were computed at.
@@ -160,7 +161,7 @@ def policy_stats_update(
     state.update(n_ratio=torch.tensor(n_valid), max_ratio=ratio.max())
     if "top_ratio" in state:
         _update_top(state, "top_ratio", ratio, cu_seqlens, sequence_keys, positions, (new, base_scaled))
-    # Compare in the log-probs' dtype against bounds rounded to that dtype (spec-decisions: clip boundaries).
+    # Compare in the log-probs' dtype against bounds rounded to that dtype (docs/losses.md, "Dtypes").
     below, above = ratio < 1 - epsilon, ratio > 1 + eps_high
     state.update(cispo_low=below.sum(), cispo_high=above.sum())
     if advantages is None:

@@ -1,6 +1,6 @@
 """AReaL's actor losses: decoupled PPO (token or GSPO sequence ratios, asymmetric and dual clip), SAPO, CISPO.
 
-Reference: ``shared/reference/areal.md`` §1.1 (``ppo_actor_loss_fn``), §1.2 (GSPO ratio), §1.4 (SAPO),
+Reference: AReaL ``areal/utils/functional.py::ppo_actor_loss_fn``, §1.2 (GSPO ratio), §1.4 (SAPO),
 §1.5 (CISPO). Every loss is ``numerator / denominator`` with ``numerator = Σ_valid L`` (float64) and
 ``denominator = N0``, the valid-token count taken *before* rejection sampling. The ``*_terms`` functions
 return both (the denominator as the raw count, so terms add up over batches of whole sequences); the loss

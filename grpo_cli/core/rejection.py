@@ -1,7 +1,7 @@
 """AReaL's staleness filters: ``RejectionSamplingConfig`` / ``apply_rejection_sampling`` and M2PO masking.
 
-References: ``shared/reference/areal.md`` §1.3 (rejection sampling), §1.6 step 3 (M2PO), §5 (config
-validation). Both work on padded ``[B, T]`` and packed ``[N]`` + ``cu_seqlens`` tensors.
+References: AReaL's ``areal/utils/functional.py`` and ``areal/engine/ppo/actor.py`` (rejection sampling, M2PO) and
+its config validation. Both work on padded ``[B, T]`` and packed ``[N]`` + ``cu_seqlens`` tensors.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Reward shaping as AReaL's PPO actor does it before computing advantages.
 
 Mirrors the first steps of ``PPOActor._compute_advantages`` (``areal/trainer/ppo/actor.py``; described in
-``shared/reference/areal.md`` §1 items 1–4, §1.9, §2.1):
+AReaL's ``areal/utils/functional.py`` and ``areal/engine/ppo/actor.py``–4, §1.9, §2.1):
 
 * :func:`reward_overlong_penalty` — AReaL's ``reward_overlong_penalty`` (DAPO's soft overlong punishment);
 * :func:`shape_rewards` — bias, scaling and clip of the scalar task reward;

@@ -1,4 +1,4 @@
-"""Sequence and group figures (issue 4 §6) as a functional core.
+"""Sequence and group figures as a functional core.
 
 - ``adv/*``: advantages over valid tokens (per-sequence advantages are broadcast, so sequences weigh by length, as
   AReaL's ``advantages`` stat over ``n_valid_tokens``): mean, population std, fractions > 0, < 0 and = 0.

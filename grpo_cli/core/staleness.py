@@ -1,4 +1,4 @@
-"""Staleness (issue 4 §5) and the step-0 sanity check (§7) as a functional core.
+"""Staleness and the step-0 sanity check as a functional core.
 
 Over valid *generated* tokens (behaviour version ``v ≥ 0``) with the trainer's current version ``c`` (per sequence
 or one int, see :func:`~grpo_cli.core.prox.broadcast_current_version`):

@@ -1,4 +1,4 @@
-"""The seed's clipped GRPO surrogate (seed 003): token ratios, PPO clip, masked means, clip fraction."""
+"""The clipped GRPO surrogate: token ratios, PPO clip, masked means, clip fraction."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def clipped_grpo_surrogate(
     token_mask: ArrayLike,
     clip_epsilon: float,
 ) -> dict[str, Tensor]:
-    """Clipped GRPO surrogate over the selected response tokens (seed 003).
+    """Clipped GRPO surrogate over the selected response tokens.
 
     For sequence ``i`` and token ``t``: ``r = exp(clip(new - old, -60, 60))`` and
     ``s = min(r * A_i, clip(r, 1 - eps, 1 + eps) * A_i)``. The loss is ``-mean(s)`` over the selected tokens;
@@ -114,7 +114,7 @@ def clipped_grpo_surrogate(
     zero = torch.zeros((), dtype=cd, device=new.device)
     log_ratio = torch.where(mask, new - old, zero).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)
-    # Bounds rounded to the working dtype: the comparison and the clamp see the same numbers (spec-decisions).
+    # Bounds rounded to the working dtype: the comparison and the clamp see the same numbers.
     lo = torch.tensor(1.0 - eps, dtype=cd, device=new.device)
     hi = torch.tensor(1.0 + eps, dtype=cd, device=new.device)
     # Seed 003: s = min(r·A, clip(r, 1 - eps, 1 + eps)·A).

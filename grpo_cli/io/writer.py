@@ -25,8 +25,8 @@ and ``writer.close()`` at the end (or use it as a context manager). What it does
   after another step gets ``-1``, ``-2``, … before ``.parquet``), written to a hidden temporary file and renamed
   into place when the step is complete, so a reader never sees half a file. Several ``add`` calls of one step go
   to the same file; row groups hold about ``row_group_tokens`` tokens, so memory stays bounded.
-* **Fast settings** (``../shared/reference/ecosystem.md`` §1.5): non-nullable list and element fields, no
-  dictionary for floats, BYTE_STREAM_SPLIT + zstd for floats, bit-packed bool masks, int32 versions.
+* **Fast settings** (Arrow's Parquet writer options, measured in ``docs/performance.md``): non-nullable list and
+  element fields, no dictionary for floats, BYTE_STREAM_SPLIT + zstd for floats, bit-packed bool masks, int32 versions.
 * **Metadata**: Parquet key-value metadata ``grpo_cli.<key>`` (JSON values): what you pass (``framework``,
   ``framework_version``, ``temperature``, ``top_p``, ``top_k``, ``logprobs_mode``, ``hook``, or anything else) plus
   ``schema_version``, ``writer``, ``rank``, ``step``, ``alignment`` (always ``"token"`` after un-rolling),

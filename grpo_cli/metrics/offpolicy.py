@@ -1,4 +1,4 @@
-"""Issue 4's off-policy diagnostics as metric groups for ``analyze`` (the math is in ``grpo_cli.core``).
+"""The off-policy diagnostics as metric groups for ``analyze`` (the math is in ``grpo_cli.core``).
 
 :func:`offpolicy_groups` lists them in report order; each reads the valid-token view of a batch, calls its core
 ``*_update`` and reports with its core ``*_compute``. Keys whose inputs the dump lacks, or whose option is off, are
@@ -108,7 +108,7 @@ class KLFamiliesGroup(MetricGroup):
 
 
 class DecoupledGroup(MetricGroup):
-    """Decoupled-PPO behaviour weights (§2): ``behave/*``, ``rs/filtered_fraction`` (AReaL rejection sampling, the
+    """Decoupled-PPO behaviour weights: ``behave/*``, ``rs/filtered_fraction`` (AReaL rejection sampling, the
     ``--rs-*`` options) and ``m2po/*`` (``--m2-threshold``), when the dump has ``prox_logp`` and ``old_logp``."""
 
     name = "decoupled"
@@ -162,8 +162,8 @@ class DecoupledGroup(MetricGroup):
 
 
 class ImportanceGroup(MetricGroup):
-    """Importance-weight health (§3): ``is/*``, ``ppl/*``, ``prob/pearson`` (verl's rollout-correction metrics with
-    w = exp(new − old), ``--is-threshold``) and ``spikes/n_ratio_gt_1e3`` (§7)."""
+    """Importance-weight health: ``is/*``, ``ppl/*``, ``prob/pearson`` (verl's rollout-correction metrics with
+    w = exp(new − old), ``--is-threshold``) and ``spikes/n_ratio_gt_1e3``."""
 
     name = "importance"
     figures = (
@@ -213,7 +213,7 @@ class ImportanceGroup(MetricGroup):
 
 
 class DistributionGroup(MetricGroup):
-    """Distributions (§4) of the PPO ratio (base = prox_logp if present, else old_logp) and of |new − old|:
+    """Distributions of the PPO ratio (base = prox_logp if present, else old_logp) and of |new − old|:
     exact moments and extrema, quantiles from fixed-edge histograms (``quantile_rel_error`` in the JSON config)."""
 
     name = "distributions"
@@ -255,7 +255,7 @@ class DistributionGroup(MetricGroup):
 
 
 class StalenessGroup(MetricGroup):
-    """Staleness (§5) and the on-policy ratio check (§7): needs ``versions`` and a current version (the
+    """Staleness and the on-policy ratio check: needs ``versions`` and a current version (the
     ``current_version`` column, else ``--current-version``)."""
 
     name = "staleness"
@@ -309,7 +309,7 @@ class StalenessGroup(MetricGroup):
 
 
 class SequenceGroup(MetricGroup):
-    """Sequences and groups (§6): ``adv/*``, ``seq/len_*``, ``reward/*``, ``groups/*``."""
+    """Sequences and groups: ``adv/*``, ``seq/len_*``, ``reward/*``, ``groups/*``."""
 
     name = "sequences"
     figures = (
@@ -353,7 +353,7 @@ class SequenceGroup(MetricGroup):
 
 
 def offpolicy_groups() -> list[MetricGroup]:
-    """Issue 4's groups, in report order (after ``PolicyGroup``: :class:`KLFamiliesGroup` may replace ``kl/k3``)."""
+    """The off-policy groups, in report order (after ``PolicyGroup``)."""
     return [
         KLFamiliesGroup(),
         DecoupledGroup(),

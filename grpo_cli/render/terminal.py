@@ -159,7 +159,7 @@ _BAR_WIDTH = 32
 
 def render_distributions(console: Console, metrics: Mapping[str, Any]) -> None:
     """The ``*/hist`` figures as bar histograms (one row per bin, :func:`distribution_rows`) and ``by_staleness``
-    as a table (issue 4 §4, §5). Each histogram's first row also shows all of its bins as one :func:`sparkline`."""
+    as a table. Each histogram's first row also shows all of its bins as one :func:`sparkline`."""
     table = Table(title="Distributions (valid tokens per bin)", title_justify="left", expand=False)
     table.add_column("distribution", style="cyan", no_wrap=True)
     table.add_column("bin", justify="right", no_wrap=True)
