@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from grpo_cli.core.state import MetricState, Reduce, StateSpec, _combine
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["KeyedState", "keyed_combine"]
 
@@ -101,7 +105,7 @@ class KeyedState(MetricState):
     def to(self, device: torch.device | str) -> KeyedState:
         return self._copy({name: value.to(device) for name, value in self.values.items()})
 
-    def all_reduce_(self, group: object | None = None) -> KeyedState:
+    def all_reduce_(self, group: ProcessGroup | None = None) -> KeyedState:
         """Plain entries as :meth:`MetricState.all_reduce_`; keyed tables are all-gathered (padded to the longest)
         and combined, so every rank ends with the same table."""
         import torch.distributed as dist

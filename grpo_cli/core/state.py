@@ -11,9 +11,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["MetricState", "Reduce", "StateSpec", "select_top_rows"]
 
@@ -156,7 +160,7 @@ class MetricState:
         new.values = {name: value.to(device) for name, value in self.values.items()}
         return new
 
-    def all_reduce_(self, group: object | None = None) -> MetricState:
+    def all_reduce_(self, group: ProcessGroup | None = None) -> MetricState:
         """All-reduce every entry over ``torch.distributed`` (``group`` defaults to the world); returns ``self``."""
         import torch.distributed as dist
 

@@ -33,7 +33,6 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from torch import Tensor
 
 from grpo_cli.core.batch import PER_TOKEN_COLUMNS, TokenBatch
 from grpo_cli.errors import InputError, UsageError
@@ -330,7 +329,7 @@ class UnrollTransform:
     def __call__(self, batch: TokenBatch) -> TokenBatch:
         if batch.file_index in self.skip_files:
             return batch
-        changes: dict[str, Tensor] = {}
+        changes: dict[str, Any] = {}  # column → Tensor (Any: dataclasses.replace types each field)
         for name in (*self.columns, "loss_mask"):
             values = getattr(batch, name)
             if values is not None:
@@ -351,7 +350,7 @@ class PrependSlotTransform:
     def __call__(self, batch: TokenBatch) -> TokenBatch:
         if batch.file_index in self.skip_files:
             return batch
-        changes: dict[str, Tensor] = {}
+        changes: dict[str, Any] = {}  # column → Tensor (Any: dataclasses.replace types each field)
         cu_out = batch.cu_seqlens
         for name in (*_SHIFTED, "loss_mask"):
             values = getattr(batch, name)
