@@ -55,7 +55,7 @@ class InputError(GrpoCliError):
 
 
 def _rebuild(cls: type[InputError], message: str, location: dict[str, object]) -> InputError:
-    return cls(message, **location)  # type: ignore[arg-type]
+    return cls(message, **location)  # type: ignore[arg-type]  # the values __reduce__ took from the error
 
 
 class CheckFailed(GrpoCliError):

@@ -33,7 +33,7 @@ def test_choice_errors_have_no_value_error_prefix(capsys, tmp_path):
 
 
 def test_identical_top_rows_are_merged(capsys, tmp_path):
-    code, out, _ = run(capsys, "analyze", _duplicated(tmp_path))
+    code, out, _ = run(capsys, "analyze", _duplicated(tmp_path), "--all")
     assert code == 0 and "0–2" in out and "rows with identical values are merged" in out
 
 

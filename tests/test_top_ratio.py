@@ -57,7 +57,7 @@ def test_ratio_base_old_without_prox_and_table(capsys, tmp_path):
     doc = run_json(capsys, "analyze", path)
     assert doc["config"]["ratio_base"] == "old"
     assert doc["metrics"]["top_ratio"][0]["ratio"] == doc["metrics"]["ratio/max"]
-    code = main(["analyze", str(path)])
+    code = main(["analyze", str(path), "--all"])
     out = capsys.readouterr().out
     assert code == 0 and "Highest-ratio tokens" in out
     doc = run_json(capsys, "analyze", path, "--top-k", "0")

@@ -166,7 +166,7 @@ def check(
         )
     if report.exit_code:
         # The verdict once: the table already ends with it when it went to this terminal.
-        on_terminal = (output is None and output_format.value == "table" and sys.stdout.isatty()
+        on_terminal = (output is None and output_format == "table" and sys.stdout.isatty()
                        and sys.stderr.isatty())
         raise CheckFailed("" if on_terminal else report.headline())
 

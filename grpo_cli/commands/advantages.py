@@ -20,7 +20,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -103,7 +103,7 @@ class _Writer:
         self.rewriter = ColumnRewriter(out, list(dataset.files), column, metadata)
 
     def write(self, batch: TokenBatch, expected: Tensor, per_sequence: Tensor | None) -> None:
-        rows = batch.rows.cpu()
+        rows = cast(Tensor, batch.rows).cpu()  # the reader sets rows
         start = int(rows[0]) if rows.numel() else 0
         if self.dataset.layout is Layout.TOKEN_PER_ROW:
             stop = start + batch.n_tokens

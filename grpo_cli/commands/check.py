@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from grpo_cli.engine.config import GROUP_BY_COLUMNS as PER_COLUMNS  # the columns `analyze --group-by` accepts
 from grpo_cli.errors import EXIT_CHECK_FAILED, EXIT_OK, InputError, UsageError
@@ -539,7 +539,7 @@ def load_baseline(path: str | Path) -> Baseline:
         )
     config = doc.get("config") if isinstance(doc.get("config"), dict) else {}
     omitted = doc.get("omitted") if isinstance(doc.get("omitted"), dict) else {}
-    return Baseline(str(path), doc["metrics"], config, omitted)
+    return Baseline(str(path), doc["metrics"], cast("dict[str, Any]", config), cast("dict[str, str]", omitted))
 
 
 # -- evaluation ------------------------------------------------------------------------------------------------------

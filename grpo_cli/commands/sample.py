@@ -66,6 +66,7 @@ import random
 from collections import deque
 from collections.abc import Callable
 from os import PathLike
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -373,7 +374,7 @@ def _run(
 
 
 def write_sample(
-    path: str | PathLike[str], *, seed: int = 0, row_group_size: int = 512, **kwargs: int
+    path: str | PathLike[str], *, seed: int = 0, row_group_size: int = 512, **kwargs: Any
 ) -> None:
     """Generate a sample (:func:`generate_sample` takes the other keywords) and write it as Parquet.
 

@@ -21,7 +21,7 @@ Pure torch, no I/O; every tensor is created on the input's device.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -122,7 +122,7 @@ class StreamingNormalization:
         """Pass 1: fold the valid tokens of one batch into the mean segments' counts and sums."""
         if self._mean is None:
             return
-        seg = self._segments(self.config.mean_level, seq_index, cu_seqlens, x.numel())
+        seg = self._segments(cast(str, self.config.mean_level), seq_index, cu_seqlens, x.numel())  # set: _mean is
         self._mean.add(self._mean.count, torch.ones_like(x, dtype=_F64), mask, seg)
         self._mean.add(self._mean.sum, x.to(_F64), mask, seg)
 
@@ -148,7 +148,7 @@ class StreamingNormalization:
             return
         x64 = x.to(_F64)
         centered = torch.where(mask, x64 - self._token_mean(x64, mask, seq_index, cu_seqlens), 0.0)
-        seg = self._segments(self.config.std_level, seq_index, cu_seqlens, x.numel())
+        seg = self._segments(cast(str, self.config.std_level), seq_index, cu_seqlens, x.numel())  # set: _std is
         self._std.add(self._std.count, torch.ones_like(x64), mask, seg)
         self._std.add(self._std.sum_sq, centered.square(), mask, seg)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import Tensor
@@ -234,7 +234,7 @@ def normalize(
         n_rows, width = xf.shape
         row = torch.arange(n_rows, device=dev).repeat_interleave(width)
     elif xf.ndim == 1:
-        cu = validate_cu_seqlens(cu_seqlens.to(dev), xf.numel())
+        cu = validate_cu_seqlens(cast(Tensor, cu_seqlens).to(dev), xf.numel())  # None is the branch above
         n_rows = cu.numel() - 1
         row = torch.repeat_interleave(torch.arange(n_rows, device=dev), lengths_from_cu_seqlens(cu))
     else:
@@ -265,7 +265,7 @@ def normalize(
 
     def segments(level: str) -> tuple[Tensor, int, Tensor | None]:
         """(segment of each token, segment count, one-row-group flag per token or None at batch level)."""
-        return (group_tok, n_groups, single_row_tok) if level == "group" else (batch_tok, 1, None)
+        return (cast(Tensor, group_tok), n_groups, single_row_tok) if level == "group" else (batch_tok, 1, None)
 
     # Step 1: mean (AReaL Normalization._compute_mean).
     if cfg.mean_level is None:
@@ -408,7 +408,7 @@ def gae_advantages(
         [[2.5, 2.5, 2.0, 0.0]]
     """
     mask = as_bool_mask(loss_mask)
-    r = _check_token_tensor(rewards, mask, "rewards")
+    r = cast(Tensor, _check_token_tensor(rewards, mask, "rewards"))  # rewards is required
     v = _check_token_tensor(values, mask, "values")
     gamma = check_real(discount, "discount")
     lam = check_real(gae_lambda, "gae_lambda")
@@ -420,7 +420,7 @@ def gae_advantages(
     if mask.ndim == 2:
         adv = _gae_padded(r64, v64, mask, lengths, eos_free, gamma, lam)
     else:
-        cu = validate_cu_seqlens(cu_seqlens.to(mask.device), mask.numel())
+        cu = validate_cu_seqlens(cast(Tensor, cu_seqlens).to(mask.device), mask.numel())  # checked by sequence_lengths
         adv_padded = _gae_padded(
             _to_padded(r64, cu), _to_padded(v64, cu), _to_padded(mask, cu), lengths, eos_free, gamma, lam
         )
@@ -534,8 +534,8 @@ def compute_advantages(
         scores = reward_overlong_penalty(
             scores,
             response_lengths,
-            overlong_tokens=cfg.overlong_tokens,
-            overlong_penalty_factor=cfg.overlong_penalty_factor,
+            overlong_tokens=cast(int, cfg.overlong_tokens),
+            overlong_penalty_factor=cast(float, cfg.overlong_penalty_factor),
             max_response_length=cfg.max_new_tokens,
         )
     scores = shape_rewards(
@@ -699,7 +699,7 @@ def masked_whiten(
         [-0.7071067690849304, 0.7071067690849304, 0.0]
     """
     mask = as_bool_mask(loss_mask)
-    x = _check_token_tensor(values, mask, "values")
+    x = cast(Tensor, _check_token_tensor(values, mask, "values"))  # values is required
     eps = check_real(eps, "eps", minimum=0.0)
     if not isinstance(unbiased, bool) or not isinstance(shift_mean, bool):
         raise TypeError("unbiased and shift_mean must be bools")
@@ -790,7 +790,7 @@ def reinforce_pp_advantages(
     """
     carry = check_convention(convention, REINFORCE_PP_CONVENTIONS, "reinforce_pp_advantages") == "verl"
     mask = as_bool_mask(loss_mask)
-    r = _check_token_tensor(token_rewards, mask, "token_rewards")
+    r = cast(Tensor, _check_token_tensor(token_rewards, mask, "token_rewards"))  # token_rewards is required
     g = check_real(gamma, "gamma")
     dtype = result_dtype(r)
     r64 = torch.where(mask, r.to(_F64), 0.0)

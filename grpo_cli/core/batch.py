@@ -159,7 +159,7 @@ class TokenBatch:
         # and gathers through a slower kernel.
         tokens = torch.nonzero(token_keep).flatten()
         sequences = torch.nonzero(keep).flatten()
-        changes: dict[str, Tensor | None] = {}
+        changes: dict[str, Any] = {}  # Tensor | None per column (Any: dataclasses.replace types each field)
         for name in (*PER_TOKEN_COLUMNS, "loss_mask", "positions"):
             value = getattr(self, name)
             changes[name] = None if value is None else value.index_select(0, tokens)

@@ -32,7 +32,7 @@ Families (inputs are whole packed sequences, the loss mask included, unless said
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -384,7 +384,7 @@ def zeros_update(
     valid = loss_mask.to(torch.bool)
     device = valid.device
     seq = segment_ids(cu_seqlens, n).to(device)
-    new = _float(columns["new_logp"])
+    new = _float(cast(Tensor, columns["new_logp"]))  # required (see Args)
     state.update(n_valid=valid.sum())
     zero_all = valid.clone()
     for name in LOGP_COLUMNS:
@@ -744,7 +744,7 @@ def groups_compute(state: KeyedState, *, limit: int = 8) -> dict[str, Any]:
         candidates = [(ly + z - (ly + z).median()).abs() for z in (lx, lx_unbiased)] + [(ly - ly.median()).abs()]
         resid = min(candidates, key=lambda r: float(r.median()))
         out["diag/adv_scale_outlier_frac"] = int((resid > SCALE_TOLERANCE).sum()) / int(fit.sum())
-    where = []
+    where: list[dict[str, Any]] = []
     for mask, why in ((flipped, "sign"), (uncentred & ~flipped, "uncentred")):
         for r in t[mask][:limit].tolist():
             if len(where) < limit:
@@ -1120,8 +1120,8 @@ def diagnosis_update(
     zeros_update(states["zeros"], loss_mask=batch.loss_mask, cu_seqlens=cu, columns=cols, versions=batch.versions,
                  file_index=fi, rows=rows, step=step)
     hashed = [batch.new_logp] + ([batch.old_logp] if batch.old_logp is not None else [])
-    duplicates_update(states["duplicates"], cu_seqlens=cu, columns=hashed, seq_id=batch.seq_id, step=step,
-                      file_index=fi, rows=rows)
+    duplicates_update(cast(KeyedState, states["duplicates"]), cu_seqlens=cu, columns=hashed, seq_id=batch.seq_id,
+                      step=step, file_index=fi, rows=rows)
     if batch.old_logp is not None:
         shift_update(states["shift"], new_logp=batch.new_logp, old_logp=batch.old_logp, loss_mask=batch.loss_mask,
                      cu_seqlens=cu, file_index=fi, rows=rows, step=step)
@@ -1140,13 +1140,14 @@ def diagnosis_update(
             lags_update(states["lags"], new_logp=v.new_logp, old_logp=v.old_logp, lag=lag, cu_seqlens=vcu,
                         prox_logp=v.prox_logp, file_index=fi, rows=rows, step=step)
     if batch.rewards is not None and batch.advantages is not None and batch.group_id is not None:
-        groups_update(states["groups"], rewards=batch.rewards, advantages=batch.advantages,
+        groups_update(cast(KeyedState, states["groups"]), rewards=batch.rewards, advantages=batch.advantages,
                       loss_mask=batch.loss_mask, cu_seqlens=cu, group_id=batch.group_id, step=step)
     if step is not None:
         base = v.prox_logp if v.prox_logp is not None else v.old_logp
-        by_step_update(states["by_step"], step=step, new_logp=v.new_logp, cu_seqlens=vcu, old_logp=v.old_logp,
-                       entropy=v.entropy, lag=lag, eos=v.eos, advantages=v.advantages, base_logp=base,
-                       epsilon=epsilon, epsilon_high=epsilon_high, prox_logp=v.prox_logp, rewards=v.rewards)
+        by_step_update(cast(KeyedState, states["by_step"]), step=step, new_logp=v.new_logp, cu_seqlens=vcu,
+                       old_logp=v.old_logp, entropy=v.entropy, lag=lag, eos=v.eos, advantages=v.advantages,
+                       base_logp=base, epsilon=epsilon, epsilon_high=epsilon_high, prox_logp=v.prox_logp,
+                       rewards=v.rewards)
 
 
 def diagnosis_compute(states: dict[str, MetricState]) -> dict[str, Any]:
@@ -1156,9 +1157,9 @@ def diagnosis_compute(states: dict[str, MetricState]) -> dict[str, Any]:
     out.update(relation_compute(states["relation"]))
     out.update(zeros_compute(states["zeros"]))
     out.update(equality_compute(states["equality"]))
-    out.update(duplicates_compute(states["duplicates"]))  # type: ignore[arg-type]
-    out.update(groups_compute(states["groups"]))  # type: ignore[arg-type]
+    out.update(duplicates_compute(states["duplicates"]))  # type: ignore[arg-type]  # a KeyedState
+    out.update(groups_compute(states["groups"]))  # type: ignore[arg-type]  # a KeyedState
     if states["by_step"]["s"].shape[0]:
-        out.update(by_step_compute(states["by_step"]))  # type: ignore[arg-type]
+        out.update(by_step_compute(states["by_step"]))  # type: ignore[arg-type]  # a KeyedState
     out.update(lags_compute(states["lags"]))
     return out

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from grpo_cli.core.state import MetricState, Reduce, StateSpec, _combine, select_top_rows
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["KeyedState", "all_reduce_states", "keyed_combine"]
 
@@ -103,7 +106,7 @@ class KeyedState(MetricState):
         return self._copy({name: value.to(device) for name, value in self.values.items()})
 
 
-def all_reduce_states(states: Sequence[MetricState], group: object | None = None) -> None:
+def all_reduce_states(states: Sequence[MetricState], group: ProcessGroup | None = None) -> None:
     """All-reduce ``states`` in place over ``torch.distributed`` (``group``: default the world), so every rank holds
     the merged states: the one implementation for ``GRPOMetric`` and the engine's ``torchrun`` runs.
 

@@ -296,7 +296,7 @@ class GRPOLoss:
             packed.logp,
             packed.align(old_logps, "old_logps", dtype),
             packed.align(ref_logps, "ref_logps", dtype),
-            packed.align(advantages, "advantages", dtype),  # type: ignore[arg-type]
+            packed.align(advantages, "advantages", dtype),  # type: ignore[arg-type]  # not None: checked above
             packed.mask,
             packed.cu,
             clip_low=self.clip_range,

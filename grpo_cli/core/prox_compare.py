@@ -526,7 +526,8 @@ def prox_compare_compute(state: MetricState, *, tolerance: float = DEFAULT_TOLER
     """
     if not (isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool) and tolerance >= 0):
         raise ValueError(f"tolerance must be a number >= 0, got {tolerance!r}")
-    host = {name: state[name].tolist() for name in state if not name.endswith("abs_error_hist")}
+    # Any: tolist() of a 0-d entry is a number, of the lag tables a list
+    host: dict[str, Any] = {name: state[name].tolist() for name in state if not name.endswith("abs_error_hist")}
     n = int(host["n_tokens"])
     out: dict[str, Any] = {"n_valid_tokens": int(host["n_valid"]), "prox/n_tokens": n}
     n_loss = int(host["n_loss"])

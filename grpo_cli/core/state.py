@@ -12,9 +12,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    pass
 
 __all__ = ["MetricState", "Reduce", "StateSpec", "select_top_rows"]
 

@@ -7,7 +7,7 @@ import enum
 import math
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from grpo_cli._choices import IMPORTANCE_LEVELS
 from grpo_cli.core.rejection import RejectionSamplingConfig
@@ -76,9 +76,9 @@ def check_finite(value: object, option: str, *, minimum: float | None = None, ab
     """Raise a :class:`UsageError` naming ``option`` unless ``value`` is a finite number within the bound."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok and minimum is not None:
-        ok = value >= minimum
+        ok = cast(float, value) >= minimum  # ok: value is a real number
     if ok and above is not None:
-        ok = value > above
+        ok = cast(float, value) > above
     if not ok:
         bound = f" >= {minimum}" if minimum is not None else f" > {above}" if above is not None else ""
         raise UsageError(f"{option} must be a finite number{bound}, got {value}")

@@ -373,7 +373,7 @@ def accumulate(
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise UsageError(f"--workers must be an integer >= 1, got {workers!r}")
-    if coded_group_by(config.group_by):
+    if config.group_by is not None and coded_group_by(config.group_by):
         problem = dataset.group_column_problem(config.group_by)
         if problem is not None:
             raise UsageError(f"--group-by {config.group_by}: {problem}")
@@ -401,6 +401,7 @@ def accumulate(
         _agree_on_errors(error)
         assert acc is not None
         all_reduce_accumulator(acc, lambda: [group.init_state(config, device) for group in per_key(groups)])
+    assert acc is not None  # for mypy: set on both branches (the lambda above drops the narrowing)
     if config.group_by is not None and len(acc.by_key) > config.max_groups:
         raise UsageError(f"--group-by {config.group_by}: more than {config.max_groups} distinct values")
     return acc

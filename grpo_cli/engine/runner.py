@@ -7,8 +7,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import cast
 
 import torch
+from torch import Tensor
 
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.state import MetricState
@@ -70,14 +72,14 @@ class _GroupRunner:
         valid = batch.valid()
         if self.pool is None:
             for group, state in zip(groups, states):
-                group.update(state, batch, valid, config)  # type: ignore[arg-type]
+                group.update(state, batch, valid, config)
             return
         if self.probed < PROBE_BATCHES:
             # The first batches run here, timed group by group (the last one counts: the first pays one-time
             # costs); the threads stay only if the work can be spread, not when one group dominates.
             for i, (group, state) in enumerate(zip(groups, states)):
                 start = time.perf_counter()
-                group.update(state, batch, valid, config)  # type: ignore[arg-type]
+                group.update(state, batch, valid, config)
                 self.seconds[i] = time.perf_counter() - start
             self.probed += 1
             if self.probed == PROBE_BATCHES and (
@@ -93,11 +95,11 @@ class _GroupRunner:
             if previous is not None:
                 previous.result()  # queued before this task (FIFO), so already running or done: no deadlock
             start = time.perf_counter()
-            groups[index].update(states[index], batch, valid, config)  # type: ignore[arg-type]
+            groups[index].update(states[index], batch, valid, config)
             # (with --group-by two states of one group may race here: that only skews the ordering heuristic)
             self.seconds[index] = self.seconds.get(index, 0.0) + time.perf_counter() - start
 
-        futures: list[Future[None]] = [None] * len(groups)  # type: ignore[list-item]
+        futures: list[Future[None]] = [None] * len(groups)  # type: ignore[list-item]  # every slot filled below
         for i in sorted(range(len(groups)), key=lambda i: -self.seconds.get(i, 0.0)):
             futures[i] = self.pool.submit(task, i, self.last.get(id(states[i])))
             self.last[id(states[i])] = futures[i]
@@ -176,8 +178,10 @@ def _update_batch(
         return
     if blocks:
         keys = block_keys(batch, blocks)
+    elif coded_group_by(config.group_by):
+        keys = cast(Tensor, batch.group_key)  # the reader fills it for a coded --group-by column
     else:
-        keys = batch.group_key if coded_group_by(config.group_by) else getattr(batch, config.group_by)
+        keys = getattr(batch, cast(str, config.group_by))  # not None: the caller checked group_by
     keyed = per_key(groups)
     for key in torch.unique(keys).tolist():
         if key not in acc.by_key:

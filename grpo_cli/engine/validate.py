@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -337,7 +337,7 @@ class BatchValidator:
         values = getattr(batch, check.column)
         value = values[seq if index is None else index].item()
         current = batch.current_version[seq].item() if batch.current_version is not None else self.current_version
-        what = _describe(check, value, self.tolerance, current)
+        what = _describe(check, value, self.tolerance, cast("int | None", current))  # an integer column
         file = self.files[batch.file_index] if 0 <= batch.file_index < len(self.files) else None
         return InputError(
             f"{what}; {_HINT}",

@@ -174,34 +174,34 @@ class GRPODumpMixin:
 
     # -- TRL hooks ----------------------------------------------------------------------------------------------
     def _calculate_rewards(self, *args: Any, **kwargs: Any) -> Tensor:
-        rewards_per_func = super()._calculate_rewards(*args, **kwargs)  # type: ignore[misc]
-        self._grpo_rewards = sequence_rewards(rewards_per_func, self.reward_weights)  # type: ignore[attr-defined]
+        rewards_per_func = super()._calculate_rewards(*args, **kwargs)  # type: ignore[misc]  # GRPOTrainer method (mixin)
+        self._grpo_rewards = sequence_rewards(rewards_per_func, self.reward_weights)  # type: ignore[attr-defined]  # GRPOTrainer attribute
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
         self._grpo_rewards = None
-        out = super()._generate_and_score_completions(inputs)  # type: ignore[misc]
+        out = super()._generate_and_score_completions(inputs)  # type: ignore[misc]  # GRPOTrainer method (mixin)
         mode = self._grpo_mode()
         completion_ids = out["completion_ids"]
         device = completion_ids.device
         b = int(completion_ids.shape[0])
-        rank, world = self.accelerator.process_index, self.accelerator.num_processes  # type: ignore[attr-defined]
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes  # type: ignore[attr-defined]  # GRPOTrainer attribute
         first = self._grpo_rows[mode] + rank * b  # TRL's process slice of the gathered batch starts at rank * b
         seq_id = first + torch.arange(b, device=device, dtype=torch.int64)
-        n_generations = self.num_generations if mode == "train" else self.num_generations_eval  # type: ignore[attr-defined]
+        n_generations = self.num_generations if mode == "train" else self.num_generations_eval  # type: ignore[attr-defined]  # GRPOTrainer attribute
         out["grpo_seq_id"] = seq_id
         out["grpo_group_id"] = seq_id // n_generations
         self._grpo_rows[mode] += b * world
         if self._grpo_rewards is not None:
             out["grpo_rewards"] = self._grpo_rewards[rank * b:(rank + 1) * b].to(device)
-        tokenizer = self._tokenizer  # type: ignore[attr-defined]
+        tokenizer = self._tokenizer  # type: ignore[attr-defined]  # GRPOTrainer attribute
         out["grpo_eos"] = completion_eos(
-            completion_ids, out["completion_mask"], self.eos_token_ids, tokenizer.pad_token_id  # type: ignore[attr-defined]
+            completion_ids, out["completion_mask"], self.eos_token_ids, tokenizer.pad_token_id  # type: ignore[attr-defined]  # GRPOTrainer attribute
         )
         return out
 
     def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
-        result = super()._get_per_token_logps_and_entropies(*args, **kwargs)  # type: ignore[misc]
+        result = super()._get_per_token_logps_and_entropies(*args, **kwargs)  # type: ignore[misc]  # GRPOTrainer method (mixin)
         if self._grpo_capture:  # the first call inside _compute_loss is the policy forward
             self._grpo_capture = False
             logps, entropies = _split_result(result)
@@ -211,7 +211,7 @@ class GRPODumpMixin:
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Tensor:
         self._grpo_capture, self._grpo_captured = True, None
         try:
-            loss = super()._compute_loss(model, inputs)  # type: ignore[misc]
+            loss = super()._compute_loss(model, inputs)  # type: ignore[misc]  # GRPOTrainer method (mixin)
         finally:
             self._grpo_capture = False
         self._grpo_record(self._grpo_mode(), inputs)
@@ -219,13 +219,13 @@ class GRPODumpMixin:
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().train(*args, **kwargs)  # type: ignore[misc]
+            return super().train(*args, **kwargs)  # type: ignore[misc]  # GRPOTrainer method (mixin)
         finally:
             self.flush_dumps()  # the last step's part file is complete when train returns (or raises)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().evaluate(*args, **kwargs)  # type: ignore[misc]
+            return super().evaluate(*args, **kwargs)  # type: ignore[misc]  # GRPOTrainer method (mixin)
         finally:
             writer = self._grpo_writers.get("eval")
             if writer is not None:
@@ -253,14 +253,14 @@ class GRPODumpMixin:
     def _grpo_writer(self, mode: str) -> RolloutWriter | None:
         writer = self._grpo_writers.get(mode)
         if writer is None and mode in self._grpo_dirs:
-            args = self.args  # type: ignore[attr-defined]
+            args = self.args  # type: ignore[attr-defined]  # GRPOTrainer attribute
             metadata = {
                 "framework": "trl", "framework_version": trl.__version__, "hook": _HOOK, "split": mode,
-                "temperature": self.temperature,  # type: ignore[attr-defined]
+                "temperature": self.temperature,  # type: ignore[attr-defined]  # GRPOTrainer attribute
                 "top_p": args.top_p, "top_k": args.top_k,
-                "logprobs_mode": "processed_logprobs" if self.use_vllm else "none",  # type: ignore[attr-defined]
+                "logprobs_mode": "processed_logprobs" if self.use_vllm else "none",  # type: ignore[attr-defined]  # GRPOTrainer attribute
                 "loss_type": args.loss_type, "epsilon_low": args.epsilon, "epsilon_high": args.epsilon_high,
-                "beta": args.beta, "num_generations": self.num_generations,  # type: ignore[attr-defined]
+                "beta": args.beta, "num_generations": self.num_generations,  # type: ignore[attr-defined]  # GRPOTrainer attribute
                 "num_iterations": args.num_iterations, "importance_sampling_level": args.importance_sampling_level,
                 "use_bias_correction_kl": args.use_bias_correction_kl, "delta": args.delta,
                 "scale_rewards": args.scale_rewards, "logging_steps": args.logging_steps,
@@ -269,9 +269,9 @@ class GRPODumpMixin:
                 # rows of one generation batch (all processes; in evaluation one eval batch per process):
                 # seq_id // generation_batch_size numbers the generation batches
                 "generation_batch_size": args.generation_batch_size if mode == "train"
-                else args.per_device_eval_batch_size * self.accelerator.num_processes,  # type: ignore[attr-defined]
+                else args.per_device_eval_batch_size * self.accelerator.num_processes,  # type: ignore[attr-defined]  # GRPOTrainer attribute
             }
-            rank = self.accelerator.process_index  # type: ignore[attr-defined]
+            rank = self.accelerator.process_index  # type: ignore[attr-defined]  # GRPOTrainer attribute
             writer = RolloutWriter(self._grpo_dirs[mode], rank=rank, metadata=metadata)
             self._grpo_writers[mode] = writer
         return writer
@@ -291,7 +291,7 @@ class GRPODumpMixin:
         self._grpo_captured = None
         completion_mask = inputs["completion_mask"]
         mask = completion_mask if inputs.get("tool_mask") is None else completion_mask * inputs["tool_mask"]
-        global_step = int(self.state.global_step)  # type: ignore[attr-defined]
+        global_step = int(self.state.global_step)  # type: ignore[attr-defined]  # GRPOTrainer attribute
         writer.add(
             step=global_step + 1 if mode == "train" else global_step,  # the step TRL logs this forward under
             new_logp=new_logp, entropy=entropy,

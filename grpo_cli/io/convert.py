@@ -87,7 +87,7 @@ def _numpy_allow_list() -> list[Any]:
     try:
         from numpy._core import multiarray
     except ImportError:  # numpy < 2
-        from numpy.core import multiarray  # type: ignore[no-redef]
+        from numpy.core import multiarray  # type: ignore[no-redef]  # numpy 1.x location
     allowed: list[Any] = [np.ndarray, np.dtype, multiarray._reconstruct, multiarray.scalar]
     dtypes = getattr(np, "dtypes", None)
     if dtypes is not None:
@@ -227,7 +227,7 @@ def _train_samples(payload: dict[str, Any], kind: str, file: Path) -> list[dict[
     n = len(data.get("response_lengths") or data.get("tokens") or [])
     if n == 0:
         return []
-    out = [{} for _ in range(n)]
+    out: list[dict[str, Any]] = [{} for _ in range(n)]
     for key, values in data.items():
         if isinstance(values, (list, tuple)) and len(values) == n:
             for sample, value in zip(out, values):
@@ -590,7 +590,7 @@ def _jsonl_chunks(file: Path, step_keys: Sequence[str]) -> Iterator[tuple[int, l
                 raise InputError(f"{_line(number)}: '{step_key}' must be an integer >= 0", file=str(file),
                                  column=step_key, row=number - 1)
             if rows and (row_step != step or tokens >= _CHUNK_TOKENS):
-                yield step, rows, first_line  # type: ignore[misc]
+                yield step, rows, first_line  # type: ignore[misc]  # step is set once rows is not empty
                 rows, tokens = [], 0
             if not rows:
                 first_line = number
@@ -599,7 +599,7 @@ def _jsonl_chunks(file: Path, step_keys: Sequence[str]) -> Iterator[tuple[int, l
             new = row.get("new_logp")
             tokens += len(new) if isinstance(new, list) else 1
         if rows:
-            yield step, rows, first_line  # type: ignore[misc]
+            yield step, rows, first_line  # type: ignore[misc]  # step is set once rows is not empty
 
 
 def _line(number: int) -> str:
@@ -767,7 +767,7 @@ def _relative_names(sources: Sequence[str | os.PathLike[str]], files: Sequence[P
         names.append(resolved.relative_to(base) if base is not None else Path(path.name))
     if len(set(names)) != len(names):
         seen: set[Path] = set()
-        dup = next(n for n in names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
+        dup = next(n for n in names if n in seen or seen.add(n))  # type: ignore[func-returns-value]  # set.add used for its effect
         raise UsageError(f"two inputs would both be written as {dup}; convert them separately")
     return names
 

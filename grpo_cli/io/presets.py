@@ -38,7 +38,6 @@ from grpo_cli.errors import InputError, UsageError
 from grpo_cli.io.schema import COLUMNS
 
 if TYPE_CHECKING:
-    from torch import Tensor
 
     from grpo_cli.core.batch import TokenBatch
     from grpo_cli.io.reader import RolloutDataset
@@ -342,7 +341,7 @@ class UnrollTransform:
 
         if batch.file_index in self.skip_files:
             return batch
-        changes: dict[str, Tensor] = {}
+        changes: dict[str, Any] = {}  # column → Tensor (Any: dataclasses.replace types each field)
         for name in (*self.columns, "loss_mask"):
             values = getattr(batch, name)
             if values is not None:
@@ -365,7 +364,7 @@ class PrependSlotTransform:
 
         if batch.file_index in self.skip_files:
             return batch
-        changes: dict[str, Tensor] = {}
+        changes: dict[str, Any] = {}  # column → Tensor (Any: dataclasses.replace types each field)
         cu_out = batch.cu_seqlens
         for name in (*_shifted(), "loss_mask"):
             values = getattr(batch, name)

@@ -519,8 +519,8 @@ def _sequence_batch(
         else:
             data[canonical] = _scalar_column(info, canonical, array, row0)
             if kind is ColumnKind.SEQUENCE_OR_TOKEN_FLOAT:  # per-sequence advantage → every token of the row
-                lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-                data[canonical] = torch.repeat_interleave(data[canonical], lengths, output_size=new_values.numel())
+                seq_lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+                data[canonical] = torch.repeat_interleave(data[canonical], seq_lengths, output_size=new_values.numel())
     return _make_batch(data, cu_seqlens, file_index, torch.arange(row0, row0 + n_seq, dtype=torch.int64))
 
 

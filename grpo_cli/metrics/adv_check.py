@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -55,7 +55,7 @@ class _SequenceTable(KeyedState):
         self.__dict__["_pending"] = []
         super().__init__({}, {"seq": (Reduce.MAX,) * len(_SEQ_FIELDS)}, device)
 
-    @property  # type: ignore[override]
+    @property
     def values(self) -> dict[str, Tensor]:
         pending = self.__dict__["_pending"]
         if pending:
@@ -97,7 +97,7 @@ class AdvSequencesGroup(MetricGroup):
         zeros = torch.zeros(batch.n_sequences, dtype=torch.int64, device=keys.device)
         columns = [
             (keys[:, 0] * (1 << 32) + keys[:, 1]).to(_F64),
-            batch.rewards.to(_F64),
+            cast(Tensor, batch.rewards).to(_F64),  # a required column
             segment_sum(batch.loss_mask.to(torch.int64), batch.cu_seqlens).to(_F64),
             *(
                 (zeros if value is None else value).to(_F64)

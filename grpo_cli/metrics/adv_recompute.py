@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor
@@ -108,7 +108,7 @@ def _scores(seqs: Sequences, cfg: AdvantageCheckConfig) -> Tensor:
             scores,
             seqs.response_len,
             overlong_tokens=cfg.overlong_tokens,
-            overlong_penalty_factor=float(cfg.overlong_penalty_factor),
+            overlong_penalty_factor=float(cast(float, cfg.overlong_penalty_factor)),  # set with overlong_tokens
             max_response_length=cfg.max_new_tokens or 1024,
         )
     scores = shape_rewards(
@@ -151,16 +151,18 @@ class Recompute:
             assert seqs.group_index is not None
             if est == "grpo":
                 self.per_sequence = grpo_advantages(
-                    self.scores, seqs.group_index, eps=float(cfg.eps), std_unbiased=cfg.std_unbiased
+                    self.scores, seqs.group_index, eps=float(cast(float, cfg.eps)), std_unbiased=cfg.std_unbiased
                 )
             elif est == "drgrpo":
                 self.per_sequence = drgrpo_advantages(self.scores, seqs.group_index)
             else:
-                self.per_sequence = rloo_advantages(self.scores, seqs.group_index, singleton=cfg.rloo_singleton)
+                self.per_sequence = rloo_advantages(
+                    self.scores, seqs.group_index, singleton=cast(Literal["keep", "zero"], cfg.rloo_singleton)
+                )
         elif est == "gae" and cfg.adv_norm is not None:
             self.norm = StreamingNormalization(cfg.adv_norm, seqs.batch_index, seqs.group_index)
         elif est == "reinforce_pp":
-            self.norm = StreamingWhiten(seqs.batch_index, eps=float(cfg.eps))
+            self.norm = StreamingWhiten(seqs.batch_index, eps=float(cast(float, cfg.eps)))
 
     def columns(self) -> set[str]:
         """Token columns the recomputation reads (besides the per-sequence ones already collected)."""

@@ -157,7 +157,7 @@ class DuplicatesGroup(_DiagGroup):
 
     def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: Any) -> None:
         hashed = [batch.new_logp] + ([batch.old_logp] if batch.old_logp is not None else [])
-        duplicates_update(state, cu_seqlens=batch.cu_seqlens, columns=hashed,  # type: ignore[arg-type]
+        duplicates_update(state, cu_seqlens=batch.cu_seqlens, columns=hashed,  # type: ignore[arg-type]  # a KeyedState
                           seq_id=batch.seq_id, step=batch.step, file_index=batch.file_index, rows=batch.rows)
 
     def compute(self, state: MetricState, config: Any) -> dict[str, Any]:
@@ -177,7 +177,7 @@ class GroupsGroup(_DiagGroup):
 
     def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: Any) -> None:
         if batch.rewards is not None and batch.advantages is not None and batch.group_id is not None:
-            groups_update(state, rewards=batch.rewards, advantages=batch.advantages,  # type: ignore[arg-type]
+            groups_update(state, rewards=batch.rewards, advantages=batch.advantages,  # type: ignore[arg-type]  # a KeyedState
                           loss_mask=batch.loss_mask, cu_seqlens=batch.cu_seqlens, group_id=batch.group_id,
                           step=batch.step)
 
@@ -200,7 +200,7 @@ class ByStepGroup(_DiagGroup):
     def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: Any) -> None:
         if batch.step is None:
             return
-        by_step_update(state, step=batch.step, new_logp=valid.new_logp,  # type: ignore[arg-type]
+        by_step_update(state, step=batch.step, new_logp=valid.new_logp,  # type: ignore[arg-type]  # a KeyedState
                        cu_seqlens=valid.cu_seqlens, old_logp=valid.old_logp, entropy=valid.entropy, lag=_lag(valid),
                        eos=valid.eos, advantages=valid.advantages, base_logp=valid.ratio_base_logp,
                        epsilon=config.epsilon, epsilon_high=config.epsilon_high, prox_logp=valid.prox_logp,

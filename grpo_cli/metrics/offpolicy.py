@@ -349,7 +349,7 @@ class SequenceGroup(MetricGroup):
         )
 
     def compute(self, state: MetricState, config: AnalyzeConfig) -> dict[str, Any]:
-        return sequence_stats_compute(state)  # type: ignore[arg-type]
+        return sequence_stats_compute(state)  # type: ignore[arg-type]  # init_state made a KeyedState
 
 
 def offpolicy_groups() -> list[MetricGroup]:

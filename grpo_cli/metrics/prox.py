@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -25,7 +25,7 @@ from grpo_cli.core.prox_compare import (
     prox_compare_state,
 )
 from grpo_cli.core.state import MetricState
-from grpo_cli.engine.config import DEFAULT_BATCH_TOKENS, PPOOptions, check_finite, validate_stream
+from grpo_cli.engine.config import DEFAULT_BATCH_TOKENS, PPOOptions, StreamConfig, check_finite, validate_stream
 from grpo_cli.engine.figures import Figure, PeerName, Requirement, option, square
 from grpo_cli.engine.group import MetricGroup
 from grpo_cli.engine.validate import ValidationGroup
@@ -138,7 +138,7 @@ class CompareProxConfig(PPOOptions):
         max_lag = self.max_lag
         if isinstance(max_lag, bool) or not isinstance(max_lag, int) or not 1 <= max_lag <= MAX_MAX_LAG:
             raise UsageError(f"--max-lag must be an integer in [1, {MAX_MAX_LAG}], got {max_lag!r}")
-        validate_stream(self)
+        validate_stream(cast(StreamConfig, self))  # group_by/max_groups are read-only ClassVars here
 
     def to_json(self) -> dict[str, Any]:
         out = self.ppo_json(asdict(self))
@@ -191,9 +191,9 @@ class ProxCompareGroup(MetricGroup):
         def prepare() -> ProxCompareBatch:
             return prox_compare_prepare(
                 new_logp=valid.new_logp,
-                old_logp=valid.old_logp,
-                prox_logp=valid.prox_logp,
-                versions=valid.versions,
+                old_logp=cast(torch.Tensor, valid.old_logp),  # checked above (the closure drops the narrowing)
+                prox_logp=cast(torch.Tensor, valid.prox_logp),
+                versions=cast(torch.Tensor, valid.versions),
                 current_version=current,
                 cu_seqlens=valid.cu_seqlens,
                 advantages=valid.advantages,

@@ -69,7 +69,7 @@ HEIGHT_IN = 2.7
 _METADATA: dict[str, Any] = {"Date": None, "Creator": None}
 
 
-def _rc() -> dict[str, Any]:
+def _rc() -> dict[Any, Any]:  # Any keys: matplotlib types rc_context keys as a Literal of rc names
     from cycler import cycler
 
     return {**RC, "axes.prop_cycle": cycler(color=list(PALETTE))}

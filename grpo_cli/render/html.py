@@ -227,7 +227,7 @@ def _prox(report: Report) -> dict[str, Any]:
 
 
 def _figure_sections(metrics: Mapping[str, Any]) -> list[dict[str, Any]]:
-    by_section: dict[str, list[dict[str, str]]] = {}
+    by_section: dict[str, list[dict[str, Any]]] = {}
     for key, value in metrics.items():
         structured = isinstance(value, (list, dict))
         text = json.dumps(value, allow_nan=False, separators=(", ", ": ")) if structured else format_value(value)

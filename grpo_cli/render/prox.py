@@ -77,7 +77,7 @@ def render_compare_prox_table(
         keys = [f"prox/{m}/{figure}" for m in methods]
         if not any(k in metrics for k in keys):
             continue
-        cells = [format_value(metrics[k]) if k in metrics else "—" for k in keys]
+        cells: list[str | Text] = [format_value(metrics[k]) if k in metrics else "—" for k in keys]
         summary.add_row(figure, *cells, PROX_FIGURE_MEANINGS.get(figure, ""))
     if summary.row_count:
         console.print(summary)
