@@ -324,6 +324,9 @@ def _trl_figures() -> tuple[Figure, ...]:
                       enabled=enabled, peers={"trl": "sampling/sampling_logp_difference/mean"}))
     out.append(Figure("trl/sampling/sampling_logp_difference/max", "largest |prox − old|", section="trl",
                       needs=(DECOUPLED,), enabled=enabled, peers={"trl": "sampling/sampling_logp_difference/max"}))
+    out.append(Figure("trl/reward_std", "Bessel-corrected std of the sequences' rewards, NaN rewards skipped (TRL's "
+                      "nanstd over the generation batch; with --group-by step one step's rows)", section="trl",
+                      needs=(column("rewards"),), enabled=enabled, peers={"trl": "reward_std"}))
     for stat in ("min", "mean", "max"):
         out.append(Figure(f"trl/sampling/importance_sampling_ratio/{stat}",
                           f"{stat} over sequences of exp(Σ (prox − old)), 0 where above 3 (sequence_mask, cap 3)",
@@ -404,7 +407,8 @@ class TrlPeerGroup(MetricGroup):
     figures = _trl_figures()
 
     def columns(self) -> frozenset[str]:
-        return frozenset({"new_logp", "old_logp", "prox_logp", "ref_logp", "advantages", "step", "micro_batch"})
+        return frozenset({"new_logp", "old_logp", "prox_logp", "ref_logp", "advantages", "step", "micro_batch",
+                          "rewards"})
 
     def init_state(self, config: AnalyzeConfig, device: torch.device | str) -> MetricState:
         if config.peer() != "trl":
@@ -412,7 +416,7 @@ class TrlPeerGroup(MetricGroup):
         specs: dict[str, StateSpec] = {k: count() for k in ("n", "low", "high", "cispo", "n_is")}
         specs.update({k: total() for k in ("kl", "d_sum", "is_sum")})
         specs.update(n_kl=count(), n_d=count(), low_min=minimum(), high_max=maximum(), d_max=maximum(),
-                     is_min=minimum(), is_max=maximum())
+                     is_min=minimum(), is_max=maximum(), r_n=count(), r_sum=total(), r_sq=total())
         # One row per (step, micro_batch) when the dump has the micro_batch column (see _TRL_MB).
         return KeyedState(specs, {"mb": _TRL_MB_OPS}, device)
 
@@ -440,6 +444,10 @@ class TrlPeerGroup(MetricGroup):
             kl_rows = (segment_sum(k3 * coef_tokens, cu, _F64), lengths.to(_F64))
         if valid.micro_batch is not None:
             state.update(mb=_trl_mb_rows(valid, rows, kl_rows))
+        if valid.rewards is not None:
+            r = _f64(valid.rewards)
+            r = r[~torch.isnan(r)]
+            state.update(r_n=torch.tensor(r.numel()), r_sum=r.sum(), r_sq=(r * r).sum())
         if valid.prox_logp is not None and valid.old_logp is not None:
             delta = _f64(valid.prox_logp) - _f64(valid.old_logp)
             finite = ~torch.isnan(delta)
@@ -502,6 +510,11 @@ class TrlPeerGroup(MetricGroup):
         table = state["mb"] if "mb" in state.values else None
         if table is not None and table.shape[0]:
             out.update(_trl_mb_compute(table, clip=bool(n), kl=bool(int(state["n_kl"]))))
+        m = int(state["r_n"])
+        if m:  # torch.std (unbiased) as TRL's nanstd in _generate_and_score_completions; NaN for one reward
+            mean = float(state["r_sum"]) / m
+            out["trl/reward_std"] = (math.sqrt(max(float(state["r_sq"]) - m * mean * mean, 0.0) / (m - 1))
+                                     if m > 1 else math.nan)
         if int(state["n_is"]):
             nd = int(state["n_d"])
             out["trl/sampling/sampling_logp_difference/mean"] = float(state["d_sum"]) / nd if nd else 0.0
