@@ -6,9 +6,10 @@ of the *truncated* weights and of its recomputed log-probs, TRL's bias-corrected
 their values and no longer map to that peer key. Each group is enabled only when ``AnalyzeConfig.names`` is its
 peer, so the default report does not change.
 
-Every state is a set of float64 sums, int64 counts and running min/max, so the figures do not depend on how the
-dump is cut into batches. A peer logs per training step; these are over the whole dump (``--group-by step`` gives
-per-step figures). The definitions are those of :mod:`grpo_cli.core.peer_figures` (the peers' functions, tested
+Every state is a set of float64 sums, int64 counts and running min/max (TRL's per-micro-batch figures: a keyed
+table of them, one row per (step, micro_batch)), so the figures do not depend on how the dump is cut into
+batches. A peer logs per training step; these are over the whole dump (``--group-by step`` gives per-step
+figures). The definitions are those of :mod:`grpo_cli.core.peer_figures` (the peers' functions, tested
 against their released code in ``tests/peers``) computed on one batch holding the whole dump (or one step):
 
 - verl ``verl/trainer/ppo/rollout_corr_helper.py`` (``compute_rollout_correction_weights``,
@@ -401,7 +402,11 @@ class TrlPeerGroup(MetricGroup):
     """TRL's clip ratios, ``cispo_clip_ratio``, its logged (bias-corrected) ``kl`` and the vLLM
     importance-sampling figures (``--names trl``). The ratio base is TRL's ``old_per_token_logps``: our
     ``prox_logp`` when the dump has it, else ``old_logp``; ``--importance-level sequence`` uses TRL's sequence
-    ratio exp(mean log-ratio), the means then running over sequences."""
+    ratio exp(mean log-ratio), the means then running over sequences.
+
+    With the dump's ``micro_batch`` column, ``clip_ratio/*``, ``cispo_clip_ratio`` and ``kl`` follow TRL's
+    averaging (``GRPOTrainer._compute_loss`` per micro-batch, then the plain mean in ``GRPOTrainer.log``) from a
+    keyed table with one row per (step, micro_batch); without it they are pooled token means."""
 
     name = "trl"
     figures = _trl_figures()
