@@ -6,9 +6,10 @@ of the *truncated* weights and of its recomputed log-probs, TRL's bias-corrected
 their values and no longer map to that peer key. Each group is enabled only when ``AnalyzeConfig.names`` is its
 peer, so the default report does not change.
 
-Every state is a set of float64 sums, int64 counts and running min/max, so the figures do not depend on how the
-dump is cut into batches. A peer logs per training step; these are over the whole dump (``--group-by step`` gives
-per-step figures). The definitions are those of :mod:`grpo_cli.core.peer_figures` (the peers' functions, tested
+Every state is a set of float64 sums, int64 counts and running min/max (TRL's per-micro-batch figures: a keyed
+table of them, one row per (step, micro_batch)), so the figures do not depend on how the dump is cut into
+batches. A peer logs per training step; these are over the whole dump (``--group-by step`` gives per-step
+figures). The definitions are those of :mod:`grpo_cli.core.peer_figures` (the peers' functions, tested
 against their released code in ``tests/peers``) computed on one batch holding the whole dump (or one step):
 
 - verl ``verl/trainer/ppo/rollout_corr_helper.py`` (``compute_rollout_correction_weights``,
@@ -32,10 +33,11 @@ import torch
 from torch import Tensor
 
 from grpo_cli.core.batch import TokenBatch
+from grpo_cli.core.keyed_state import KeyedState
 from grpo_cli.core.packing import broadcast_to_tokens, lengths_from_cu_seqlens, segment_sum
 from grpo_cli.core.peer_figures import VERL_SAFETY_BOUND
 from grpo_cli.core.ppo import ppo_actor_loss_terms
-from grpo_cli.core.state import MetricState, StateSpec, count, maximum, minimum, total
+from grpo_cli.core.state import MetricState, Reduce, StateSpec, count, maximum, minimum, total
 from grpo_cli.engine.figures import Figure, Requirement, column, columns, option
 from grpo_cli.engine.group import MetricGroup
 from grpo_cli.metrics.config import AnalyzeConfig
@@ -323,6 +325,9 @@ def _trl_figures() -> tuple[Figure, ...]:
                       enabled=enabled, peers={"trl": "sampling/sampling_logp_difference/mean"}))
     out.append(Figure("trl/sampling/sampling_logp_difference/max", "largest |prox − old|", section="trl",
                       needs=(DECOUPLED,), enabled=enabled, peers={"trl": "sampling/sampling_logp_difference/max"}))
+    out.append(Figure("trl/reward_std", "Bessel-corrected std of the sequences' rewards, NaN rewards skipped (TRL's "
+                      "nanstd over the generation batch; with --group-by step one step's rows)", section="trl",
+                      needs=(column("rewards"),), enabled=enabled, peers={"trl": "reward_std"}))
     for stat in ("min", "mean", "max"):
         out.append(Figure(f"trl/sampling/importance_sampling_ratio/{stat}",
                           f"{stat} over sequences of exp(Σ (prox − old)), 0 where above 3 (sequence_mask, cap 3)",
@@ -340,17 +345,75 @@ def _row_first(values: Tensor, cu: Tensor) -> Tensor:
     return torch.where(lengths > 0, first, torch.zeros_like(first))
 
 
+_TRL_MB = ("n", "low", "high", "cispo", "kl", "n_kl", "low_min", "high_max")
+"""Columns of the per-(step, micro_batch) table ``mb`` of :class:`TrlPeerGroup` (after the key column)."""
+_TRL_MB_OPS = (Reduce.SUM,) * 6 + (Reduce.MIN, Reduce.MAX)
+_MB_SHIFT = 2.0**32  # key = step · 2^32 + micro_batch, exact in float64 for step < 2^21
+
+
+def _trl_mb_rows(valid: TokenBatch, clip: dict[str, Tensor] | None, kl: tuple[Tensor, Tensor] | None) -> Tensor:
+    """One table row per sequence, keyed by (step, micro_batch); :class:`KeyedState` sums rows of one key.
+
+    ``n``, ``low``, ``high``, ``cispo`` and ``n_kl`` are integer counts (exact float64 sums); ``kl`` is a float64
+    sum. Sequences without a valid token still add their key, so a fully masked micro-batch is a row with
+    ``n = 0``: TRL logs 0 for it (``global_masked_mean`` divides by ``count.clamp(min=1)``).
+    """
+    assert valid.micro_batch is not None
+    mb = valid.micro_batch.to(valid.device, torch.int64)
+    step = valid.step.to(valid.device, torch.int64) if valid.step is not None else torch.zeros_like(mb)
+    if mb.numel() and (int(mb.min()) < 0 or int(mb.max()) >= 2**32 or int(step.min()) < 0
+                       or int(step.max()) >= 2**21):
+        raise ValueError("micro_batch must be in [0, 2^32) and step in [0, 2^21) for per-micro-batch averaging")
+    rows = torch.zeros((mb.numel(), 1 + len(_TRL_MB)), dtype=_F64, device=valid.device)
+    rows[:, 0] = step.to(_F64) * _MB_SHIFT + mb.to(_F64)
+    rows[:, 7], rows[:, 8] = math.inf, -math.inf
+    if clip is not None:
+        for i, name in enumerate(("n", "low", "high", "cispo"), start=1):
+            rows[:, i] = clip[name]
+        rows[:, 7], rows[:, 8] = clip["low_min"], clip["high_max"]
+    if kl is not None:
+        rows[:, 5], rows[:, 6] = kl
+    return rows
+
+
+def _trl_mb_compute(table: Tensor, *, clip: bool, kl: bool) -> dict[str, float]:
+    """TRL's per-micro-batch averaging: each micro-batch's value as ``GRPOTrainer._compute_loss`` computes it
+    (``global_masked_mean``: Σ / max(count, 1); ``clip_ratio/low_min|high_max``: ``nanmin``/``nanmax`` of the
+    per-sequence means, NaN for a micro-batch without a valid token), then ``GRPOTrainer.log``'s plain mean over
+    the micro-batches (NaNs dropped). Under ``--group-by step`` the table holds one step's micro-batches."""
+    col = {name: table[:, i] for i, name in enumerate(_TRL_MB, start=1)}
+    out: dict[str, float] = {}
+    if clip:
+        n = col["n"].clamp(min=1.0)
+        low, high = col["low"] / n, col["high"] / n
+        out.update({"trl/clip_ratio/low_mean": float(low.mean()), "trl/clip_ratio/high_mean": float(high.mean()),
+                    "trl/clip_ratio/region_mean": float((low + high).mean()),
+                    "trl/cispo_clip_ratio": float((col["cispo"] / n).mean())})
+        for name, key in (("low_min", "trl/clip_ratio/low_min"), ("high_max", "trl/clip_ratio/high_max")):
+            finite = torch.isfinite(col[name])
+            if bool(finite.any()):
+                out[key] = float(col[name][finite].mean())
+    if kl:
+        out["trl/kl"] = float((col["kl"] / col["n_kl"].clamp(min=1.0)).mean())
+    return out
+
+
 class TrlPeerGroup(MetricGroup):
     """TRL's clip ratios, ``cispo_clip_ratio``, its logged (bias-corrected) ``kl`` and the vLLM
     importance-sampling figures (``--names trl``). The ratio base is TRL's ``old_per_token_logps``: our
     ``prox_logp`` when the dump has it, else ``old_logp``; ``--importance-level sequence`` uses TRL's sequence
-    ratio exp(mean log-ratio), the means then running over sequences."""
+    ratio exp(mean log-ratio), the means then running over sequences.
+
+    With the dump's ``micro_batch`` column, ``clip_ratio/*``, ``cispo_clip_ratio`` and ``kl`` follow TRL's
+    averaging (``GRPOTrainer._compute_loss`` per micro-batch, then the plain mean in ``GRPOTrainer.log``) from a
+    keyed table with one row per (step, micro_batch); without it they are pooled token means."""
 
     name = "trl"
     figures = _trl_figures()
 
     def columns(self) -> frozenset[str]:
-        return frozenset({"new_logp", "old_logp", "prox_logp", "ref_logp", "advantages"})
+        return frozenset({"new_logp", "old_logp", "prox_logp", "ref_logp", "advantages", "step", "micro_batch",
+                          "rewards"})
 
     def init_state(self, config: AnalyzeConfig, device: torch.device | str) -> MetricState:
         if config.peer() != "trl":
@@ -358,8 +421,9 @@ class TrlPeerGroup(MetricGroup):
         specs: dict[str, StateSpec] = {k: count() for k in ("n", "low", "high", "cispo", "n_is")}
         specs.update({k: total() for k in ("kl", "d_sum", "is_sum")})
         specs.update(n_kl=count(), n_d=count(), low_min=minimum(), high_max=maximum(), d_max=maximum(),
-                     is_min=minimum(), is_max=maximum())
-        return MetricState(specs, device)
+                     is_min=minimum(), is_max=maximum(), r_n=count(), r_sum=total(), r_sq=total())
+        # One row per (step, micro_batch) when the dump has the micro_batch column (see _TRL_MB).
+        return KeyedState(specs, {"mb": _TRL_MB_OPS}, device)
 
     def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: AnalyzeConfig) -> None:
         if config.peer() != "trl":
@@ -367,6 +431,8 @@ class TrlPeerGroup(MetricGroup):
         base, cu = valid.ratio_base_logp, valid.cu_seqlens
         lengths = lengths_from_cu_seqlens(cu).to(valid.device)
         coef_tokens = torch.ones(valid.n_tokens, dtype=_F64, device=valid.device)  # TRL: no old log-probs, r = 1
+        rows: dict[str, Tensor] | None = None  # per-sequence clip sums for the micro-batch table
+        kl_rows: tuple[Tensor, Tensor] | None = None  # per-sequence Σ k3·r and token counts
         if base is not None:
             log_ratio = _f64(valid.new_logp) - _f64(base)
             if config.importance_level == "sequence":
@@ -375,11 +441,18 @@ class TrlPeerGroup(MetricGroup):
             else:
                 coef_tokens = torch.exp(log_ratio)
             if valid.advantages is not None:
-                self._clip(state, coef_tokens, _f64(valid.advantages), cu, lengths, config)
+                rows = self._clip(state, coef_tokens, _f64(valid.advantages), cu, lengths, config)
         if valid.ref_logp is not None:
             y = _f64(valid.ref_logp) - _f64(valid.new_logp)
             k3 = torch.expm1(y) - y
             state.update(kl=(k3 * coef_tokens).sum(), n_kl=torch.tensor(y.numel()))
+            kl_rows = (segment_sum(k3 * coef_tokens, cu, _F64), lengths.to(_F64))
+        if valid.micro_batch is not None:
+            state.update(mb=_trl_mb_rows(valid, rows, kl_rows))
+        if valid.rewards is not None:
+            r = _f64(valid.rewards)
+            r = r[~torch.isnan(r)]
+            state.update(r_n=torch.tensor(r.numel()), r_sum=r.sum(), r_sq=(r * r).sum())
         if valid.prox_logp is not None and valid.old_logp is not None:
             delta = _f64(valid.prox_logp) - _f64(valid.old_logp)
             finite = ~torch.isnan(delta)
@@ -395,7 +468,10 @@ class TrlPeerGroup(MetricGroup):
 
     @staticmethod
     def _clip(state: MetricState, coef: Tensor, adv: Tensor, cu: Tensor, lengths: Tensor,
-              config: AnalyzeConfig) -> None:
+              config: AnalyzeConfig) -> dict[str, Tensor]:
+        """Fold the pooled clip counts; return the per-sequence sums the micro-batch table needs (``n``, ``low``,
+        ``high``, ``cispo`` and the per-sequence clip fractions ``low_min``/``high_max``, ±inf where TRL's
+        ``masked_seq_mean`` is NaN)."""
         eps_lo = config.epsilon
         eps_hi = config.epsilon if config.epsilon_high is None else config.epsilon_high
         if config.importance_level == "sequence":
@@ -408,14 +484,18 @@ class TrlPeerGroup(MetricGroup):
             state.update(n=torch.tensor(coef.numel()), low=low.sum(), high=high.sum(), cispo=cispo.sum())
             if coef.numel():
                 state.update(low_min=low.to(_F64).min(), high_max=high.to(_F64).max())
-            return
+            return {"n": torch.ones_like(coef), "low": low.to(_F64), "high": high.to(_F64),
+                    "cispo": cispo.to(_F64), "low_min": low.to(_F64), "high_max": high.to(_F64)}
         low, high = (coef < 1 - eps_lo) & (adv < 0), (coef > 1 + eps_hi) & (adv > 0)
         state.update(n=torch.tensor(coef.numel()), low=low.sum(), high=high.sum(), cispo=high.sum())
         has = lengths > 0
+        denom = lengths.to(_F64).clamp(min=1.0)
+        low_seq, high_seq = segment_sum(low.to(_F64), cu, _F64), segment_sum(high.to(_F64), cu, _F64)
         if bool(has.any()):
-            denom = lengths.to(_F64).clamp(min=1.0)
-            state.update(low_min=(segment_sum(low.to(_F64), cu) / denom)[has].min(),
-                         high_max=(segment_sum(high.to(_F64), cu) / denom)[has].max())
+            state.update(low_min=(low_seq / denom)[has].min(), high_max=(high_seq / denom)[has].max())
+        inf = torch.full_like(low_seq, math.inf)
+        return {"n": lengths.to(_F64), "low": low_seq, "high": high_seq, "cispo": high_seq,
+                "low_min": torch.where(has, low_seq / denom, inf), "high_max": torch.where(has, high_seq / denom, -inf)}
 
     def compute(self, state: MetricState, config: AnalyzeConfig) -> dict[str, Any]:
         if config.peer() != "trl":
@@ -432,6 +512,14 @@ class TrlPeerGroup(MetricGroup):
                         "trl/cispo_clip_ratio": int(state["cispo"]) / n})
         if int(state["n_kl"]):
             out["trl/kl"] = float(state["kl"]) / int(state["n_kl"])
+        table = state["mb"] if "mb" in state.values else None
+        if table is not None and table.shape[0]:
+            out.update(_trl_mb_compute(table, clip=bool(n), kl=bool(int(state["n_kl"]))))
+        m = int(state["r_n"])
+        if m:  # torch.std (unbiased) as TRL's nanstd in _generate_and_score_completions; NaN for one reward
+            mean = float(state["r_sum"]) / m
+            out["trl/reward_std"] = (math.sqrt(max(float(state["r_sq"]) - m * mean * mean, 0.0) / (m - 1))
+                                     if m > 1 else math.nan)
         if int(state["n_is"]):
             nd = int(state["n_d"])
             out["trl/sampling/sampling_logp_difference/mean"] = float(state["d_sum"]) / nd if nd else 0.0

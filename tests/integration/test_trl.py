@@ -4,9 +4,10 @@ The python block of ``docs/recipes/trl.md`` is executed as printed to get ``Dump
 is trained for 8 steps (``num_iterations=2``, ``beta=0.04``, two reward functions) without evaluation, for 4 steps
 with evaluation every 2 steps, and for 2 steps with ``mask_truncated_completions``. Then
 ``grpo-cli analyze DUMP --names trl --group-by step --format json``, run through the CLI, must equal
-``trainer.state.log_history`` for every key both have, to 1e-4 relative. Keys whose conventions differ (TRL
-averages per micro-batch, grpo-cli pools the step's tokens; TRL's ``kl`` is importance-weighted) are strict
-xfails; a reference computation from the dump's ``micro_batch`` column shows the dump holds what TRL averaged.
+``trainer.state.log_history`` for every key both have, to 1e-4 relative: the per-micro-batch keys
+(``clip_ratio/*``, ``kl``) through the dump's ``micro_batch`` column. ``entropy`` (grpo-cli's pooled
+``entropy/mean``) is a strict xfail; a reference computation from the ``micro_batch`` column shows the dump holds
+what TRL averaged.
 """
 
 from __future__ import annotations
@@ -43,23 +44,25 @@ PER_DEVICE = 8  # completions per micro-batch
 NUM_GENERATIONS = 4
 EPSILON = 0.2  # TRL's default clip range, also grpo-cli's default --epsilon
 
-#: Keys both TRL and ``--names trl`` report with the same convention (tested equal).
+#: Keys both TRL and ``--names trl`` report with the same convention, logged once per generation (tested equal).
 AGREE = (
-    "reward", "frac_reward_zero_std", "completions/mean_length", "completions/min_length", "completions/max_length",
-    "completions/clipped_ratio",
+    "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
+    "completions/max_length", "completions/clipped_ratio",
 )
-#: Keys TRL averages per micro-batch (``GRPOTrainer._compute_loss``) while grpo-cli pools a step's tokens.
+#: Keys TRL averages per micro-batch (``GRPOTrainer._compute_loss``, then ``GRPOTrainer.log``), logged every step:
+#: with the dump's ``micro_batch`` column ``--names trl`` averages them the same way (tested equal).
+PER_MICRO_BATCH = (
+    "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+    "clip_ratio/high_max", "kl",
+)
+#: Keys TRL averages per micro-batch while grpo-cli pools a step's tokens (strict xfails, with the reason).
 POOLED_REASON = (
     "TRL logs the mean over the step's micro-batches of per-micro-batch masked token means "
-    "(GRPOTrainer._compute_loss, global_masked_mean); `grpo-cli --names trl` pools the step's tokens"
+    "(GRPOTrainer._compute_loss, global_masked_mean); under --names trl `entropy` is grpo-cli's own entropy/mean "
+    "(grpo_cli/metrics/policy.py), a pooled token mean, not a per-micro-batch peer figure"
 )
 POOLED = {
     "entropy": POOLED_REASON,
-    "clip_ratio/low_mean": POOLED_REASON,
-    "clip_ratio/high_mean": POOLED_REASON,
-    "clip_ratio/region_mean": POOLED_REASON,
-    "kl": POOLED_REASON + "; and TRL multiplies the k3 term by the importance ratio exp(new - old) "
-    "(use_bias_correction_kl=True, the default) while grpo-cli's kl_ref/k3 is unweighted",
 }
 
 
@@ -291,13 +294,27 @@ def test_dump_steps_ids_and_forwards(run: dict[str, Any]):
 def test_keys_in_common_are_the_known_ones(run: dict[str, Any]):
     ours = set().union(*(m.keys() for m in by_step(run["analysis"]).values()))
     theirs = set().union(*(e.keys() for e in train_log(run).values()))
-    assert ours & theirs == set(AGREE) | set(POOLED)
+    assert ours & theirs == set(AGREE) | set(PER_MICRO_BATCH) | set(POOLED)
 
 
 @pytest.mark.parametrize("key", AGREE)
 def test_analyze_equals_trl_log(run: dict[str, Any], key: str):
     compared, bad = mismatches(by_step(run["analysis"]), train_log(run), key)
     assert compared == run["steps"] // 2  # TRL logs these on the steps that generate (every other one)
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("key", PER_MICRO_BATCH)
+def test_analyze_equals_trl_log_per_micro_batch_keys(run: dict[str, Any], key: str):
+    compared, bad = mismatches(by_step(run["analysis"]), train_log(run), key)
+    assert compared == run["steps"]  # TRL logs these on every step (_compute_loss runs on every micro-batch)
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("key", PER_MICRO_BATCH)
+def test_eval_analyze_equals_trl_eval_log_per_micro_batch_keys(with_eval: dict[str, Any], key: str):
+    compared, bad = mismatches(by_step(with_eval["eval_analysis"]), eval_log(with_eval), key, prefix="eval_")
+    assert compared == 2
     assert not bad, bad
 
 
@@ -310,7 +327,8 @@ def test_analyze_equals_trl_log_pooled_keys(plain: dict[str, Any], key: str):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("key", list(POOLED))
+@pytest.mark.parametrize("key", [k for k in (*PER_MICRO_BATCH, *POOLED) if k not in ("clip_ratio/low_min",
+                                                                                   "clip_ratio/high_max")])
 def test_micro_batch_column_rebuilds_trl_averages(run: dict[str, Any], key: str):
     reference = per_micro_batch_reference(read_dump(run["dump"]))
     compared, bad = mismatches(reference, train_log(run), key)
@@ -357,7 +375,8 @@ def test_eval_analyze_equals_trl_eval_log(with_eval: dict[str, Any], key: str):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("key", list(POOLED))
+@pytest.mark.parametrize("key", [k for k in (*PER_MICRO_BATCH, *POOLED) if k not in ("clip_ratio/low_min",
+                                                                                   "clip_ratio/high_max")])
 def test_eval_micro_batch_column_rebuilds_trl_averages(with_eval: dict[str, Any], key: str):
     reference = per_micro_batch_reference(read_dump(with_eval["eval_dump"]))
     compared, bad = mismatches(reference, eval_log(with_eval), key, prefix="eval_")
