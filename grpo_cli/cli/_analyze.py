@@ -133,6 +133,11 @@ def analyze(
     ] = False,
     max_staleness: MaxStalenessOpt = 4,
     prox_approximation: ProxApproximationOpt = None,
+    select: Annotated[
+        list[str] | None,
+        typer.Option("--select", help="Compute only these metric groups (loss, staleness, ...) or the groups of these "
+                     "key patterns (is/*, kl/k3); repeatable. Findings need every group: use with --no-findings."),
+    ] = None,
     findings: Annotated[
         bool, typer.Option("--findings/--no-findings", help="Diagnose the run (default); --no-findings skips the "
                            "detectors' statistics, about twice as fast on large dumps (docs/performance.md).")
@@ -170,7 +175,7 @@ def analyze(
     detect = DetectConfig(max_staleness=max_staleness, prox_approximation=prox_approximation) if findings else None
     with progress_bar(dataset.n_tokens, quiet) as progress:
         result = run_analysis(dataset, config, progress=progress, workers=resolve_workers(workers, device),
-                              findings=detect)
+                              findings=detect, select=select or ())
     if from_metadata:
         result.config["from_metadata"] = from_metadata
     warn_skipped(result.metrics)

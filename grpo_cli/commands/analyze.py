@@ -8,7 +8,7 @@ from grpo_cli.engine.group import MetricGroup
 from grpo_cli.engine.run import AnalysisResult, run
 from grpo_cli.findings import DetectConfig, diagnose
 from grpo_cli.io.reader import RolloutDataset
-from grpo_cli.metrics import AnalyzeConfig, default_groups
+from grpo_cli.metrics import AnalyzeConfig, default_groups, select_groups
 from grpo_cli.metrics.diagnosis import diagnosis_groups
 
 __all__ = ["AnalysisResult", "AnalyzeConfig", "analyze"]
@@ -22,10 +22,12 @@ def analyze(
     progress: Callable[[int], None] | None = None,
     workers: int = 1,
     findings: DetectConfig | None = None,
+    select: Sequence[str] = (),
 ) -> AnalysisResult:
     """Run every metric group (default: :func:`~grpo_cli.metrics.default_groups`) over the whole dataset in one
     streaming pass (see :func:`grpo_cli.engine.run.run`); with ``findings`` (what the run corrects for), also the
-    findings-only statistics and the findings they support (``result.findings``).
+    findings-only statistics and the findings they support (``result.findings``); ``select`` (group names or key
+    patterns, :func:`~grpo_cli.metrics.select_groups`) computes only those groups.
 
     Example:
         >>> from grpo_cli import AnalyzeConfig, RolloutDataset, analyze
@@ -34,6 +36,8 @@ def analyze(
         0.0257
     """
     groups = default_groups() if groups is None else list(groups)
+    if select:
+        groups = select_groups(groups, select)  # compute only what is asked
     if findings is not None:
         groups = [*groups, *diagnosis_groups()]
     result = run(dataset, groups, config, progress=progress, workers=workers)
