@@ -34,6 +34,25 @@ from grpo_cli.errors import UsageError
 
 __all__ = ["check", "report"]
 
+# check and report take their defaults from the rules' [analyze] table: these options default to "not given".
+GateEpsilonOpt = Annotated[
+    float | None,
+    typer.Option("--epsilon", "--clip-range", help="Lower clip width ε (default: the rules' [analyze], else 0.2)."),
+]
+GateTemperatureOpt = Annotated[
+    float | None, typer.Option("--temperature", help="Sampling temperature (default: the rules', else 1).")
+]
+GateOnInvalidOpt = Annotated[
+    str | None,
+    typer.Option("--on-invalid", **one_of(*ON_INVALID),
+                 help="Invalid values (NaN/positive log-probs, ...): error (exit 2 at the first) or skip (drop and "
+                 "accept them). Default: drop them and fail 'input passes validation'."),
+]
+GateCurrentVersionOpt = Annotated[
+    int | None,
+    typer.Option("--current-version", help="Trainer version v_θ when the dump has no current_version column."),
+]
+
 CHECK_FORMATS = ("table", "json", "github")
 """``check``'s report formats (JUnit XML is a separate file: ``--junit-xml``)."""
 
@@ -63,20 +82,10 @@ def check(
     junit_xml_path: Annotated[
         Path | None, typer.Option("--junit-xml", help="Also write JUnit XML: one testcase per rule.")
     ] = None,
-    epsilon: Annotated[
-        float | None,
-        typer.Option("--epsilon", "--clip-range", help="Lower clip width ε (default: the rules' [analyze], else 0.2)."),
-    ] = None,
+    epsilon: GateEpsilonOpt = None,
     epsilon_high: EpsilonHighOpt = None,
-    temperature: Annotated[
-        float | None, typer.Option("--temperature", help="Sampling temperature (default: the rules', else 1).")
-    ] = None,
-    on_invalid: Annotated[
-        str | None,
-        typer.Option("--on-invalid", **one_of(*ON_INVALID),
-            help="Invalid values (NaN/positive log-probs, ...): error (exit 2 at the "
-                     "first) or skip (drop and accept them). Default: drop them and fail 'input passes validation'."),
-    ] = None,
+    temperature: GateTemperatureOpt = None,
+    on_invalid: GateOnInvalidOpt = None,
     batch_tokens: BatchTokensOpt = DEFAULT_BATCH_TOKENS,
     device: DeviceOpt = "cpu",
     column_map: MapOpt = None,
@@ -180,30 +189,17 @@ def report(
         typer.Option("--rules", "-r", help="Also show the verdict of these TOML rules (repeatable; docs/check.md); "
                      "their [analyze]/[compare_prox] options apply."),
     ] = None,
-    epsilon: Annotated[
-        float | None,
-        typer.Option("--epsilon", "--clip-range", help="Lower clip width ε (default: the rules' [analyze], else 0.2)."),
-    ] = None,
+    epsilon: GateEpsilonOpt = None,
     epsilon_high: EpsilonHighOpt = None,
-    temperature: Annotated[
-        float | None, typer.Option("--temperature", help="Sampling temperature (default: the rules', else 1).")
-    ] = None,
+    temperature: GateTemperatureOpt = None,
     top_k: Annotated[int, typer.Option("--top-k", help="List the k highest-KL tokens (0: off).")] = 10,
     tolerance: Annotated[
         float | None,
         typer.Option("--tolerance", help="compare-prox: bound on a lag's abs_error_mean for the max-safe-lag "
                      "verdict (default: the rules' [compare_prox], else 0.01)."),
     ] = None,
-    current_version: Annotated[
-        int | None,
-        typer.Option("--current-version", help="Trainer version v_θ when the dump has no current_version column."),
-    ] = None,
-    on_invalid: Annotated[
-        str | None,
-        typer.Option("--on-invalid", **one_of(*ON_INVALID),
-            help="Invalid values: error (exit 2 at the first) or skip (drop and accept "
-                     "them). Default, as check: drop them and fail 'input passes validation'."),
-    ] = None,
+    current_version: GateCurrentVersionOpt = None,
+    on_invalid: GateOnInvalidOpt = None,
     batch_tokens: BatchTokensOpt = DEFAULT_BATCH_TOKENS,
     device: DeviceOpt = "cpu",
     column_map: MapOpt = None,
