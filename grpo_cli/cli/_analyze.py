@@ -15,11 +15,14 @@ from grpo_cli.cli._options import (
     DEFAULT_BATCH_TOKENS,
     BatchTokensOpt,
     CClipOpt,
+    CurrentVersionOpt,
     DeviceOpt,
     EpsilonHighOpt,
     EpsilonOpt,
     FormatOpt,
     ImportanceLevelOpt,
+    IsThresholdOpt,
+    KlClampOpt,
     MapOpt,
     MaxStalenessOpt,
     NamesOpt,
@@ -95,21 +98,12 @@ def analyze(
     rs_upper: RsUpperOpt = None,
     rs_lower: RsLowerOpt = None,
     on_invalid: OnInvalidOpt = "error",
-    kl_clamp: Annotated[
-        float | None,
-        typer.Option("--kl-clamp", help="Clamp the per-token kl_ref/* estimates (the KL loss) to [-C, C] (default: "
-                     "none); kl/* are never clamped."),
-    ] = None,
-    is_threshold: Annotated[
-        float, typer.Option("--is-threshold", help="IS weight bound C: is/frac_high (w > C), is/frac_low (w < 1/C).")
-    ] = 2.0,
+    kl_clamp: KlClampOpt = None,
+    is_threshold: IsThresholdOpt = 2.0,
     m2_threshold: Annotated[
         float | None, typer.Option("--m2-threshold", help="M2PO threshold on the mean (old - prox)^2 (default: off).")
     ] = None,
-    current_version: Annotated[
-        int | None,
-        typer.Option("--current-version", help="Trainer version v_θ when the dump has no current_version column."),
-    ] = None,
+    current_version: CurrentVersionOpt = None,
     distill_weight: Annotated[
         float, typer.Option("--distill-weight", help="AReaL distill_loss_weight w_d of loss/kd (teacher_logp).")
     ] = 0.005,
@@ -287,10 +281,7 @@ def compare_prox(
     tolerance: Annotated[
         float, typer.Option("--tolerance", help="Bound on a lag's abs_error_mean for the max-safe-lag verdict.")
     ] = 0.01,
-    current_version: Annotated[
-        int | None,
-        typer.Option("--current-version", help="Trainer version v_θ when the dump has no current_version column."),
-    ] = None,
+    current_version: CurrentVersionOpt = None,
     max_lag: Annotated[
         int, typer.Option("--max-lag", help="Lags 0..N-1 get a by-staleness row each; larger lags share one.")
     ] = 64,

@@ -11,11 +11,14 @@ from grpo_cli.cli._options import (
     DEFAULT_BATCH_TOKENS,
     BatchTokensOpt,
     CClipOpt,
+    CurrentVersionOpt,
     DeviceOpt,
     EpsilonHighOpt,
     EpsilonOpt,
     FormatOpt,
     ImportanceLevelOpt,
+    IsThresholdOpt,
+    KlClampOpt,
     MapOpt,
     OnInvalidOpt,
     OutputOpt,
@@ -92,16 +95,9 @@ def diff(
     temperature: TemperatureOpt = 1.0,
     c_clip: CClipOpt = None,
     importance_level: ImportanceLevelOpt = "token",
-    is_threshold: Annotated[
-        float, typer.Option("--is-threshold", help="IS weight bound C: is/frac_high (w > C), is/frac_low (w < 1/C).")
-    ] = 2.0,
-    kl_clamp: Annotated[
-        float | None, typer.Option("--kl-clamp", help="Clamp the per-token kl_ref/* estimates to [-C, C].")
-    ] = None,
-    current_version: Annotated[
-        int | None,
-        typer.Option("--current-version", help="Trainer version v_θ when a dump has no current_version column."),
-    ] = None,
+    is_threshold: IsThresholdOpt = 2.0,
+    kl_clamp: KlClampOpt = None,
+    current_version: CurrentVersionOpt = None,
     batch_tokens: BatchTokensOpt = DEFAULT_BATCH_TOKENS,
     device: DeviceOpt = "cpu",
     output_format: FormatOpt = "table",

@@ -13,6 +13,7 @@ from grpo_cli.cli._app import app
 from grpo_cli.cli._options import (
     DEFAULT_BATCH_TOKENS,
     BatchTokensOpt,
+    CurrentVersionOpt,
     DeviceOpt,
     EpsilonHighOpt,
     MapOpt,
@@ -47,10 +48,6 @@ GateOnInvalidOpt = Annotated[
     typer.Option("--on-invalid", **one_of(*ON_INVALID),
                  help="Invalid values (NaN/positive log-probs, ...): error (exit 2 at the first) or skip (drop and "
                  "accept them). Default: drop them and fail 'input passes validation'."),
-]
-GateCurrentVersionOpt = Annotated[
-    int | None,
-    typer.Option("--current-version", help="Trainer version v_θ when the dump has no current_version column."),
 ]
 
 CHECK_FORMATS = ("table", "json", "github")
@@ -198,7 +195,7 @@ def report(
         typer.Option("--tolerance", help="compare-prox: bound on a lag's abs_error_mean for the max-safe-lag "
                      "verdict (default: the rules' [compare_prox], else 0.01)."),
     ] = None,
-    current_version: GateCurrentVersionOpt = None,
+    current_version: CurrentVersionOpt = None,
     on_invalid: GateOnInvalidOpt = None,
     batch_tokens: BatchTokensOpt = DEFAULT_BATCH_TOKENS,
     device: DeviceOpt = "cpu",

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_BATCH_TOKENS",
     "OUTPUT_FORMATS",
+    "CurrentVersionOpt",
+    "IsThresholdOpt",
+    "KlClampOpt",
     "MaxStalenessOpt",
     "ProxApproximationOpt",
     "check_device",
@@ -134,6 +137,18 @@ RsLowerOpt = Annotated[float | None, typer.Option("--rs-lower", help="Rejection 
 
 
 
+IsThresholdOpt = Annotated[
+    float, typer.Option("--is-threshold", help="IS weight bound C: is/frac_high (w > C), is/frac_low (w < 1/C).")
+]
+KlClampOpt = Annotated[
+    float | None,
+    typer.Option("--kl-clamp", help="Clamp the per-token kl_ref/* estimates (the KL loss) to [-C, C] (default: "
+                 "none); kl/* are never clamped."),
+]
+CurrentVersionOpt = Annotated[
+    int | None,
+    typer.Option("--current-version", help="Trainer version v_θ when the dump has no current_version column."),
+]
 MaxStalenessOpt = Annotated[
     int,
     typer.Option("--max-staleness", help="Findings: the largest lag the run's correction is meant for (TRL "
