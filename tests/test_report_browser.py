@@ -18,8 +18,9 @@ pytestmark = pytest.mark.skipif(
     reason="no Chromium on PATH: the browser tier needs Debian's `chromium` (apt-get install chromium; .ci/run does)",
 )
 
-CHART_IDS = ("fig-trend-clip", "fig-trend-kl", "fig-trend-is-ess", "fig-trend-is-chi2", "fig-trend-staleness",
-             "fig-trend-loss", "fig-hist-ratio", "fig-hist-abs-diff", "fig-heat-staleness", "fig-prox-lag")
+CHART_IDS = ("fig-trend-clip", "fig-trend-kl", "fig-trend-is-ess", "fig-trend-is-chi2", "fig-trend-entropy",
+             "fig-trend-staleness", "fig-trend-loss", "fig-hist-ratio", "fig-hist-abs-diff", "fig-heat-staleness",
+             "fig-prox-lag")
 
 
 def chromium(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
