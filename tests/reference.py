@@ -168,7 +168,7 @@ def write_sequences(path: str, seqs: list[Seq], *, row_group_size: int = 16, tok
     pq.write_table(pa.table(cols), path, row_group_size=row_group_size)
 
 
-# -- issue 4: off-policy diagnostics (independent float64 references) ---------------------------------------------
+# -- off-policy diagnostics (independent float64 references) ---------------------------------------------
 
 
 def exact_lower_quantile(values: list[float], q: float) -> float:
@@ -223,7 +223,7 @@ def offpolicy_reference(
         out["kl/k3"] = sum(_clamp(math.exp(x) - 1 - x, kl_clamp) for x in xs) / n
         out["kl/abs_diff_mean"] = sum(abs(x) for x in xs) / n
         out["kl/abs_diff_max"] = max(abs(x) for x in xs)
-        # §3 importance weights
+        # importance weights
         w = [math.exp(x) for x in xs]
         out["is/mean"] = sum(w) / n
         out["is/min"], out["is/max"] = min(w), max(w)
@@ -274,14 +274,14 @@ def offpolicy_reference(
         out["ppl/ratio"] = sum(math.exp(d) for d in diffs) / m
         out["is/chi2_seq"] = sum(chi2) / m
 
-    # §4 the PPO ratio (base = prox if present, else old)
+    # the PPO ratio (base = prox if present, else old)
     if has_old or has_prox:
         base = "prox" if has_prox else "old"
         r = [math.exp(s.new[t] - getattr(s, base)[t]) for s, t in toks]
         out["_ratio"] = r
         out["ratio/mean"], out["ratio/min"], out["ratio/std"] = sum(r) / n, min(r), _pop_std(r)
 
-    # §2 decoupled PPO without rejection sampling
+    # decoupled PPO without rejection sampling
     if has_prox and has_old:
         d = [s.prox[t] - s.old[t] for s, t in toks]
         wb = [math.exp(v) for v in d]
@@ -289,7 +289,7 @@ def offpolicy_reference(
         out["behave/imp_weight_min"], out["behave/imp_weight_max"] = min(wb), max(wb)
         out["behave/approx_kl"] = sum(d) / n
 
-    # §5 staleness over valid generated tokens
+    # staleness over valid generated tokens
     if seqs[0].versions is not None:
         per_lag: dict[int, list[tuple]] = {}
         on_policy = []
@@ -341,7 +341,7 @@ def offpolicy_reference(
                 if on_policy:
                     out["sanity/on_policy_ratio_dev"] = max(on_policy)
 
-    # §6 sequences and groups
+    # sequences and groups
     lengths = [len(s.valid()) for s in seqs]
     out["seq/len_mean"] = sum(lengths) / len(lengths)
     out["seq/len_min"], out["seq/len_max"] = min(lengths), max(lengths)
@@ -369,7 +369,8 @@ def rejection_reference(
     seqs: list[Seq], *, level: str, action: str, metric: str, agg: str = "mean", upper: float = 5.0,
     lower: float | None = None,
 ) -> dict:
-    """AReaL's rejection sampling of π_prox/π_old (reference areal.md §1.3) and the behave stats over kept tokens.
+    """AReaL's rejection sampling of π_prox/π_old (AReaL ``apply_rejection_sampling``) and the behave stats over kept
+    tokens.
 
     Covers metric ``ratio`` (token/sequence, mask/clamp, agg mean/sum/max) and ``kl_k1/k2/k3`` (mask).
     """

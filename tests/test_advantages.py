@@ -1,8 +1,9 @@
 """Reward shaping, AReaL normalisation, GAE and the GRPO-family estimators against hand-derived values.
 
 Every expected number is either derived by hand in a comment next to it or produced by a plain-Python float64
-reference written below (loops over groups/time steps, straight from the formula descriptions in
-shared/reference/areal.md §1, §2.2 and peers.md §1.4), never by the implementation itself.
+reference written below (loops over groups/time steps, straight from the formulas of AReaL's
+``areal/trainer/ppo/actor.py`` and ``areal/utils/data.py`` and verl's ``core_algos.py``), never by the
+implementation itself.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def close(actual: torch.Tensor, expected: object, atol: float = 1e-12, rtol: flo
 
 
 def ref_normalize(rows: list[list[float]], masks: list[list[bool]], groups: list[int], cfg: NormConfig):
-    """AReaL Normalization (areal.md §2.2) with Python loops; rows are sequences, groups[b] the id of row b."""
+    """AReaL ``Normalization`` with Python loops; rows are sequences, groups[b] the id of row b."""
     n_rows = len(rows)
     if not any(any(m) for m in masks):
         return [list(r) for r in rows]
@@ -103,7 +104,7 @@ def ref_normalize(rows: list[list[float]], masks: list[list[bool]], groups: list
 
 
 def ref_gae(r: list[float], v: list[float], m: list[bool], no_eos: bool, gamma: float, lam: float):
-    """AReaL's token-level GAE loop for one sequence of length L (areal.md §1 item 5)."""
+    """AReaL's token-level GAE loop for one sequence of length L (AReaL ``PPOActor._compute_advantages``)."""
     n = len(r)
     adv = [0.0] * n
     last, next_v = 0.0, (v[n - 1] if no_eos else 0.0)
@@ -116,7 +117,7 @@ def ref_gae(r: list[float], v: list[float], m: list[bool], no_eos: bool, gamma: 
 
 
 def ref_grpo(r: list[float], g: list[int], eps: float, unbiased: bool, scale: bool) -> list[float]:
-    """verl compute_grpo_outcome_advantage with dict-of-lists loops (peers.md §1.4)."""
+    """verl compute_grpo_outcome_advantage with dict-of-lists loops (``verl/trainer/ppo/core_algos.py``)."""
     by: dict[int, list[float]] = {}
     for x, k in zip(r, g, strict=True):
         by.setdefault(k, []).append(x)
@@ -160,7 +161,7 @@ def test_shape_rewards_bias_scale_clip(device: str) -> None:
 
 
 def test_overlong_penalty_areal_examples(device: str) -> None:
-    # areal.md §1.9: max 1024, overlong_tokens 128, factor 1 → expected length 896; len 800 → 0;
+    # AReaL ``reward_overlong_penalty``: max 1024, overlong_tokens 128, factor 1 → expected length 896; len 800 → 0;
     # 900 → −4/128 = −0.03125; 950 → −54/128 = −0.421875; 1024 → −1; 1100 → −204/128 = −1.59375.
     lengths = torch.tensor([800, 900, 950, 1024, 1100], device=device)
     out = reward_overlong_penalty(t64([1.0] * 5, device), lengths, overlong_tokens=128, overlong_penalty_factor=1.0)

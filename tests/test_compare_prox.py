@@ -2,7 +2,8 @@
 independence, the CLI (formats, exit codes) and the sample data.
 
 The reference below is written from the definitions (AReaL's approximation, ``ppo_actor_loss_fn`` and
-``apply_rejection_sampling`` in ``shared/reference/areal.md`` §1.1, §1.3, §1.7) with plain Python loops and
+``apply_rejection_sampling`` in AReaL's ``areal/utils/functional/functional.py`` and
+``compute_prox_logp_approximations`` in ``areal/trainer/ppo/actor.py``) with plain Python loops and
 ``math``; it never calls grpo_cli.
 """
 
@@ -42,7 +43,8 @@ SAMPLE = Path(__file__).resolve().parents[1] / "sample_data" / "rollouts.parquet
 
 
 def ref_alpha(vb: float, vt: float) -> float:
-    """AReaL §1.7: α = (v_θ − 1 − v_b)/(v_θ − v_b) where v_θ − v_b > 0 and v_b ≥ 0, else 0; clamped to [0, 1]."""
+    """AReaL ``compute_prox_logp_approximations``:
+    α = (v_θ − 1 − v_b)/(v_θ − v_b) where v_θ − v_b > 0 and v_b ≥ 0, else 0; clamped to [0, 1]."""
     if vb < 0 or vt - vb <= 0:
         return 0.0
     return min(max((vt - 1 - vb) / (vt - vb), 0.0), 1.0)
@@ -59,7 +61,7 @@ def ref_approx(method: str, b: float, th: float, a: float) -> float:
 def ref_rs(
     seq_p: list[float], seq_b: list[float], valid: list[bool], rs: dict
 ) -> tuple[list[bool], list[float], list[bool]]:
-    """AReaL §1.3 for metric 'ratio': (kept mask, weight, changed) per token of one sequence."""
+    """AReaL ``apply_rejection_sampling`` for metric 'ratio': (kept mask, weight, changed) per token of one sequence."""
     lo, up = rs.get("lower"), rs.get("upper", 5.0)
     action, level = rs.get("action", "mask"), rs.get("level", "token")
     n = len(seq_p)
@@ -88,7 +90,7 @@ def ref_rs(
 def ref_ppo_token(
     th: float, p: float, a: float, eps: float, eps_hi: float, c_clip: float | None
 ) -> tuple[float, bool, bool]:
-    """AReaL §1.1, token level: (L, clip, dual)."""
+    """AReaL ``ppo_actor_loss_fn``, token level: (L, clip, dual)."""
     r = math.exp(th - p)
     rc = min(max(r, 1 - eps), 1 + eps_hi)
     l1, l2 = -a * r, -a * rc

@@ -23,7 +23,7 @@ def run(capsys, *args):
     return code, out, err
 
 
-# -- slime fixtures (keys as documented in dumps.md §5) ------------------------------------------------------------
+# -- slime fixtures (keys as slime's rollout dump names them) ----------------------------------------------------
 PROMPT = 3
 
 

@@ -1,4 +1,4 @@
-"""Determinism and exactness (issue 7 §3) over every figure ``analyze`` reports.
+"""Determinism and exactness over every figure ``analyze`` reports.
 
 What is guaranteed (``docs/errors.md``):
 

@@ -1,4 +1,4 @@
-"""The input-error matrix (issue 7 §2) through the CLI: every case exits 2 with one actionable line, no traceback.
+"""The input-error matrix through the CLI: every case exits 2 with one actionable line, no traceback.
 
 Value problems (NaN/±inf/positive log-probs, masks not 0/1, versions above current_version) are also run with
 ``--on-invalid skip``: the offending sequence is dropped, counted under ``invalid/*`` in every output format, a

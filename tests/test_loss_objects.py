@@ -1,4 +1,4 @@
-"""Tests for grpo_cli.core.loss_objects (seed 001's loss objects) and the packed core grpo_family_loss_terms."""
+"""Tests for grpo_cli.core.loss_objects (the GRPO-family loss objects) and the packed core grpo_family_loss_terms."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 4's off-policy core (grpo_cli.core.offpolicy / staleness / sequences / m2po / histogram / keyed_state)
+"""The off-policy core (grpo_cli.core.offpolicy / staleness / sequences / m2po / histogram / keyed_state)
 against hand-derived values and the independent float64 references in tests/reference.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 4 through `grpo-cli analyze` (in-process): options, omissions, batch independence, the sample data."""
+"""Off-policy figures through `grpo-cli analyze` (in-process): options, omissions, batch independence, sample data."""
 
 from __future__ import annotations
 
@@ -148,26 +148,26 @@ def test_sample_data_is_non_trivial_in_every_section(capsys):
         pytest.skip("sample_data/rollouts.parquet is not there")
     doc = analyze_json(capsys, SAMPLE, "--m2-threshold", "0.03", "--rs-upper", "2")
     m = doc["metrics"]
-    # §1 KL families: a real bf16/fp32 mismatch plus staleness, and drift from the initial weights
+    # KL families: a real bf16/fp32 mismatch plus staleness, and drift from the initial weights
     assert m["kl/k3"] > 0 and m["kl/k2"] > 0 and m["kl/abs_diff_max"] > 1 and m["kl_ref/k3"] > 0.1
-    # §2 decoupled PPO
+    # decoupled PPO
     assert m["behave/imp_weight_min"] < 1 < m["behave/imp_weight_max"] <= 2
     assert 0 < m["rs/filtered_fraction"] < 0.1 and 0 < m["m2po/masked_fraction"] < 0.5 and m["m2po/exact"]
-    # §3 importance-weight health
+    # importance-weight health
     assert m["is/std"] > 0 and 0 < m["is/ess"] < 1 and m["is/frac_high"] > 0 and m["is/frac_low"] > 0
     assert m["is/chi2_seq"] > m["is/chi2_token"] > 0 and m["ppl/old"] != m["ppl/new"] and 0.5 < m["prob/pearson"] < 1
-    # §4 distributions
+    # distributions
     assert m["ratio/p001"] < m["ratio/p50"] < m["ratio/p999"] and m["abs_diff/p01"] < m["abs_diff/p99"]
     assert sum(m["ratio/hist"]["counts"]) > 0.99 * m["n_valid_tokens"]
-    # §5 staleness 0–4 and the cross-tab: stale tokens drift further from the behaviour policy
+    # staleness 0–4 and the cross-tab: stale tokens drift further from the behaviour policy
     assert m["staleness/theta_min"] == 0 and m["staleness/theta_max"] == 4
     lags = m["by_staleness"]
     assert [row["lag"] for row in lags] == [0, 1, 2, 3, 4]
     assert lags[0]["kl/k3"] < lags[4]["kl/k3"] and all(row["clip/ratio"] > 0 for row in lags)
-    # §6 sequences and groups
+    # sequences and groups
     assert 0 < m["groups/zero_std_frac"] < 1 and m["groups/n"] > 1 and 0 < m["adv/zero_frac"] < 1
     assert m["seq/len_min"] < m["seq/len_max"] and m["reward/std"] > 0
-    # §7 lag-0 tokens differ by bf16 rounding only; no ratio spikes above 1e3 in this healthy run
+    # lag-0 tokens differ by bf16 rounding only; no ratio spikes above 1e3 in this healthy run
     assert 0 < m["sanity/on_policy_ratio_dev"] < 1 and m["sanity/n_on_policy_tokens"] > 0
     assert m["spikes/n_ratio_gt_1e3"] == 0
 

@@ -1,6 +1,8 @@
 """Tests for AReaL's actor losses: ppo_actor_loss, rejection sampling, M2PO, SAPO and CISPO.
 
-Expected numbers are derived by hand in the comments (reference: shared/reference/areal.md §1.1–1.6).
+Expected numbers are derived by hand in the comments (AReaL
+``areal/utils/functional/functional.py``: ``ppo_actor_loss_fn``, ``apply_rejection_sampling``, ``sapo_loss_fn``,
+``cispo_loss_fn``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""--preset: column maps per framework (dumps.md §9), un-rolling transforms, `grpo-cli schema`, alignment helpers."""
+"""--preset: column maps per framework (docs/schema.md), un-rolling transforms, `grpo-cli schema`, alignment helpers."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ def test_cli_preset_names_match_presets():
     assert list(PRESET_NAMES) == list(PRESETS)
 
 
-# Hand-written from dumps.md §9: which framework tensor becomes which schema column ("old" → prox where the
-# framework's old log-prob is its proximal recompute).
+# Hand-written from the frameworks' tensor names: which framework tensor becomes which schema column ("old" → prox
+# where the framework's old log-prob is its proximal recompute).
 MAPS = {
     "areal": (["new_logprobs", "logprobs", "prox_logp", "ref_logp", "loss_mask", "versions", "global_step",
                "task_id"],

@@ -1,4 +1,4 @@
-"""Property tests (issue 7 §4) over every metric group ``analyze`` runs (``default_groups()``).
+"""Property tests over every metric group ``analyze`` runs (``default_groups()``).
 
 - merging states is commutative (bitwise) and associative (bitwise for counts, minima, maxima and top-k tables;
   float64 sums to 1e-12 relative, since float addition is not associative);

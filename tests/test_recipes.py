@@ -1,4 +1,4 @@
-"""The writer calls of docs/recipes/*.md, fed tensors shaped as each framework shapes them (dumps.md §2–7).
+"""The writer calls of docs/recipes/*.md, fed tensors shaped as each framework shapes them.
 
 Each test builds one framework's tensors from token-aligned ground truth (value t belongs to token t), applies
 that framework's conventions by hand (rolls, padding, windows), makes the recipe's ``add`` call and checks that

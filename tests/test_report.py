@@ -1,4 +1,4 @@
-"""Issue 10 §2–3: `grpo-cli report` — structure, offline, valid HTML, embedded data equal to the commands' JSON,
+"""`grpo-cli report` — structure, offline, valid HTML, embedded data equal to the commands' JSON,
 determinism across processes, size, and lazy imports. The browser tier is in test_report_browser.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 10 §3, browser tier: the report rendered by headless Chromium (Debian's ``chromium``; ``.ci/run`` installs
+"""Browser tier: the report rendered by headless Chromium (Debian's ``chromium``; ``.ci/run`` installs
 it). The screenshot must not be blank and the DOM after loading must hold every chart. Skipped without Chromium."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 10 §1: terminal trends (sparklines over steps) and bar histograms, snapshotted from what the console
+"""Terminal trends (sparklines over steps) and bar histograms, snapshotted from what the console
 records (``Console(record=True).export_text()``): key lines and structure, not full-screen goldens."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tests for ``clipped_grpo_surrogate`` (seed 003): seed examples, hand-derived values and gradients."""
+"""Tests for ``clipped_grpo_surrogate`` (the clipped surrogate): examples, hand-derived values and gradients."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ LN = math.log
 
 
 def _reference(new, old, adv, mask, eps):
-    """Independent float64 loop version of seed 003 (plain Python math)."""
+    """Independent float64 loop version of the clipped surrogate (plain Python math)."""
     b, t = len(new), len(new[0])
     sel, total, clipped, per_seq = 0, 0.0, 0, []
     for i in range(b):
@@ -34,7 +34,7 @@ def _reference(new, old, adv, mask, eps):
     return (-total / sel if sel else 0.0), per_seq, (clipped / sel if sel else 0.0)
 
 
-# --- the seed's three examples (lists → float32) -------------------------------------------------------
+# --- three documented examples (lists → float32) -------------------------------------------------------
 
 
 def test_seed_example_1():

@@ -1,4 +1,4 @@
-"""Loss aggregation modes (verl ``agg_loss``, reference peers.md §1.2), as numerator/denominator terms.
+"""Loss aggregation modes (verl ``agg_loss`` in ``verl/trainer/ppo/core_algos.py``), as numerator/denominator terms.
 
 Every mode is a ratio ``numerator / denominator`` whose terms add up over disjoint sets of whole sequences,
 so a dump can be streamed in batches and merged exactly (pass the global ``num_tokens``/``num_sequences``/

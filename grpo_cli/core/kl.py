@@ -42,7 +42,7 @@ def kl_from_log_ratio(delta: Tensor, kind: str) -> Tensor:
 
 
 def kl_estimate(log_probs: Tensor, log_probs_base: Tensor, kind: str, clamp: float | None = None) -> Tensor:
-    """Per-token KL estimate between a policy and a base policy (AReaL ``KLEstimator``, reference §2.1).
+    """Per-token KL estimate between a policy and a base policy (AReaL ``KLEstimator``, ``areal/utils/data.py``).
 
     ``delta = float32(log_probs) - float32(log_probs_base)`` (float64 stays float64; half types go through
     float32 as AReaL does), then the estimator of ``kind`` (see :func:`kl_from_log_ratio`), then, when

@@ -141,7 +141,8 @@ class _Packed:
         return torch.cat([flat_starts.to(torch.int64), end])
 
     def align(self, data: Any, name: str, dtype: torch.dtype) -> Tensor | None:
-        """Per-token ``[N]`` values from twinkle's accepted forms (reference twinkle.md §2.2), 0 elsewhere.
+        """Per-token ``[N]`` values from twinkle's accepted forms (twinkle's
+        ``GRPOLoss._pad_and_align_to_batch``, ``src/twinkle/loss/grpo.py``), 0 elsewhere.
 
         - a tensor/array of exactly ``(B, T)``: taken position by position;
         - one number per sequence (a 1-D tensor/list of length S, or ``(S, 1)``): broadcast over it;

@@ -76,7 +76,7 @@ def _mean(s: MetricState, num: str, den: str) -> float:
     return float(s[num]) / int(s[den])
 
 
-# -- §1 KL families ------------------------------------------------------------------------------------------------
+# -- KL families ------------------------------------------------------------------------------------------------
 
 
 def kl_families_state(device: torch.device | str | None = None) -> MetricState:
@@ -138,7 +138,7 @@ def kl_families_compute(state: MetricState) -> dict[str, Any]:
     return out
 
 
-# -- §2 decoupled PPO: behaviour weights and rejection sampling ------------------------------------------------------
+# -- decoupled PPO: behaviour weights and rejection sampling ------------------------------------------------------
 
 
 def behave_state(device: torch.device | str | None = None) -> MetricState:
@@ -212,7 +212,7 @@ def behave_compute(state: MetricState) -> dict[str, Any]:
     return out
 
 
-# -- §3 importance-weight health (verl rollout-correction metrics) ---------------------------------------------------
+# -- importance-weight health (verl rollout-correction metrics) ---------------------------------------------------
 
 
 def importance_state(device: torch.device | str | None = None) -> MetricState:
@@ -369,7 +369,7 @@ def importance_compute(state: MetricState) -> dict[str, Any]:
     return out
 
 
-# -- §4 distributions ----------------------------------------------------------------------------------------------
+# -- distributions ----------------------------------------------------------------------------------------------
 
 
 def distributions_state(device: torch.device | str | None = None) -> MetricState:

@@ -1,8 +1,8 @@
 """AReaL's actor losses: decoupled PPO (token or GSPO sequence ratios, asymmetric and dual clip), SAPO, CISPO.
 
-Reference: AReaL ``areal/utils/functional.py::ppo_actor_loss_fn``, §1.2 (GSPO ratio), §1.4 (SAPO),
-§1.5 (CISPO). Every loss is ``numerator / denominator`` with ``numerator = Σ_valid L`` (float64) and
-``denominator = N0``, the valid-token count taken *before* rejection sampling. The ``*_terms`` functions
+Reference: AReaL ``areal/utils/functional/functional.py``: ``ppo_actor_loss_fn``, the GSPO sequence ratio,
+``sapo_loss_fn`` and ``cispo_loss_fn``. Every loss is ``numerator / denominator`` with ``numerator = Σ_valid L``
+(float64) and ``denominator = N0``, the valid-token count taken *before* rejection sampling. The ``*_terms`` functions
 return both (the denominator as the raw count, so terms add up over batches of whole sequences); the loss
 functions divide by ``max(N0, 1)`` as AReaL does. Inputs are padded ``[B, T]`` or packed ``[N]`` with
 ``cu_seqlens`` (needed for sequence-level work on packed input).
@@ -57,7 +57,9 @@ def _check_level(level: str) -> None:
 def sequence_ratio_and_advantages(
     log_ratio: Tensor, advantages: Tensor, loss_mask: Tensor, cu_seqlens: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """GSPO sequence ratio and mean advantage broadcast to tokens (AReaL §1.2).
+    """GSPO sequence ratio and mean advantage broadcast to tokens.
+
+    AReaL ``_compute_sequence_level_ratio_and_advantages``.
 
     Per sequence ``s`` (rows of ``[B, T]``, ``cu_seqlens`` segments of ``[N]``) with ``n_s = max(Σm, 1)``:
     ``ρ_s = exp(Σ_m log_ratio / n_s)`` and ``Ā_s = Σ_m A / n_s``; every valid token gets ``(ρ_s, Ā_s)``,
@@ -159,7 +161,7 @@ def ppo_actor_loss_terms(
         ratio = fill_outside(m_stat, torch.exp(log_ratio), zero)
         adv_used = fill_outside(m_stat, adv, zero)
 
-    # AReaL §1.1: L = max(-A·r, -A·clip(r, 1-ε, 1+ε_hi)); clip mask = strict L1 < L2.
+    # AReaL ``ppo_actor_loss_fn``: L = max(-A·r, -A·clip(r, 1-ε, 1+ε_hi)); clip mask = strict L1 < L2.
     clipped_ratio = torch.clamp(ratio, 1.0 - eps_lo, 1.0 + eps_hi)
     loss1 = -adv_used * ratio
     loss2 = -adv_used * clipped_ratio
@@ -211,7 +213,7 @@ def ppo_actor_loss(
     cu_seqlens: Tensor | None = None,
     convention: str | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
-    """AReaL's decoupled PPO actor loss (``ppo_actor_loss_fn``, reference §1.1, newest version).
+    """AReaL's decoupled PPO actor loss (``ppo_actor_loss_fn`` in ``areal/utils/functional/functional.py``).
 
     ``N0 = count(m)`` before rejection sampling; with ``rejection_sampling`` the mask narrows to ``m'`` and
     the behaviour weight ``w_b = π_prox/π_behave`` (from :func:`apply_rejection_sampling`) multiplies the
@@ -298,7 +300,7 @@ def sapo_loss_terms(
         ratio, adv = sequence_ratio_and_advantages(log_ratio, adv, m, cu_seqlens)
     else:
         ratio = torch.exp(log_ratio)
-    # SAPO (arXiv 2511.20347, AReaL §1.4): gate σ(τ(r-1))·4/τ, τ₊ for A > 0 and τ₋ otherwise; L = -gate·A.
+    # SAPO (arXiv 2511.20347, AReaL ``sapo_loss_fn``): gate σ(τ(r-1))·4/τ, τ₊ for A > 0 and τ₋ otherwise; L = -gate·A.
     gate_pos = sigmoid(tp * (ratio - 1.0)) * (4.0 / tp)
     gate_neg = sigmoid(tn * (ratio - 1.0)) * (4.0 / tn)
     gate = torch.where(adv > 0, gate_pos, gate_neg)
@@ -326,7 +328,7 @@ def sapo_loss(
     importance_sampling_level: str = "token",
     cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
-    """AReaL's SAPO loss (``sapo_loss_fn``, reference §1.4): soft sigmoid gates instead of a hard clip.
+    """AReaL's SAPO loss (``sapo_loss_fn``, ``areal/utils/functional/functional.py``): soft sigmoid gates, no hard clip.
 
     ``r = exp(ℓθ − ℓold)`` (or the GSPO sequence ratio with the sequence-mean advantage);
     ``g± = σ(τ±·(r − 1))·4/τ±``, ``gate = g₊`` where ``A > 0`` else ``g₋``; ``L = −gate·A`` (A detached);
@@ -397,7 +399,7 @@ def cispo_loss_terms(
     # statistics mask: a token rejection sampling drops still shows its ratio, not 1.
     stat_log_ratio = fill_outside(m_stat, lp - prox, zero).detach()
     importance_weight = fill_outside(m_stat, torch.exp(stat_log_ratio), zero)
-    # CISPO (MiniMax-M1 Eq. 4-5, AReaL §1.5): L = -sg(clip(r, 1-ε, 1+ε_hi))·A·ℓθ; gradient only via ℓθ.
+    # CISPO (MiniMax-M1 Eq. 4-5, AReaL ``cispo_loss_fn``): L = -sg(clip(r, 1-ε, 1+ε_hi))·A·ℓθ; gradient only via ℓθ.
     clipped = torch.clamp(ratio, 1.0 - eps_lo, 1.0 + eps_hi).detach()
     per_token = -clipped * adv * fill_outside(m, lp, zero)
     stats: dict[str, Any] = {}
@@ -430,7 +432,7 @@ def cispo_loss(
     importance_sampling_level: str = "token",
     cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Any]]:
-    """AReaL's CISPO loss (``cispo_loss_fn``, MiniMax-M1; reference §1.5) with ``ppo_actor_loss``'s arguments.
+    """AReaL's CISPO loss (``cispo_loss_fn``, MiniMax-M1) with ``ppo_actor_loss``'s arguments.
 
     ``r = exp(sg(ℓθ − ℓp))``, ``rc = sg(clip(r, 1 − ε, 1 + ε_hi))``, ``L = −rc·A·ℓθ`` (A detached), times
     ``w_b`` with rejection sampling; ``loss = Σ_{m'} L / max(N0, 1)`` with ``N0`` counted before rejection.

@@ -227,7 +227,7 @@ def prox_interpolation_alpha(
         raise ValueError(f"dtype must be floating point, got {dtype}")
     v_theta = broadcast_current_version(current_version, versions, cu_seqlens=cu_seqlens).to(dtype)
     v_behave = versions.to(dtype)
-    v_prox = v_theta - 1  # AReaL's assumption: the proximal policy is the last published one (pitfall §7.8)
+    v_prox = v_theta - 1  # AReaL's assumption: the proximal policy is the last published one
     version_diff = v_theta - v_behave
     interpolate = (version_diff > 0) & (v_behave >= 0)
     # the division is done only where it is defined; elsewhere α = 0 (prompt tokens, v_θ ≤ v_b)

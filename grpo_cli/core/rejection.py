@@ -36,7 +36,7 @@ _AGGS = ("sum", "mean", "max")
 class RejectionSamplingConfig:
     """Filter or clamp tokens/sequences by the divergence of the proximal from the behaviour policy.
 
-    Same fields, defaults and validation as AReaL's ``RejectionSamplingConfig`` (reference §5):
+    Same fields, defaults and validation as AReaL's ``RejectionSamplingConfig`` (``areal/api/cli_args.py``):
 
     Attributes:
         level: ``"token"`` or ``"sequence"`` granularity.
@@ -119,7 +119,9 @@ def apply_rejection_sampling(
     cu_seqlens: Tensor | None,
     config: RejectionSamplingConfig,
 ) -> tuple[Tensor, Tensor, float]:
-    """AReaL's rejection sampling / truncation of the behaviour weight π_prox/π_behave (reference §1.3).
+    """AReaL's rejection sampling / truncation of the behaviour weight π_prox/π_behave.
+
+    AReaL ``apply_rejection_sampling``, ``areal/utils/functional/functional.py``.
 
     1. ``delta = prox - behave`` in float32 (float64 stays float64), detached, non-finite values set to 0.
     2. Metric: ``ratio = exp(delta)``, or ``kl_k1/k2/k3`` of (prox, behave) from the *raw* inputs (a NaN
@@ -230,7 +232,7 @@ def apply_rejection_sampling(
 
 
 def m2po_mask(old_logp: Tensor, prox_logp: Tensor, loss_mask: Tensor, m2_threshold: float) -> Tensor:
-    """AReaL's M2PO token mask (reference §1.6 step 3): drop the largest second moments.
+    """AReaL's M2PO token mask (``areal/trainer/ppo/actor.py``; arXiv 2510.01161): drop the largest second moments.
 
     ``M2 = (old - prox)**2`` over the valid tokens, sorted descending (stable, so ties keep token order).
     ``k`` is the first index whose tail mean ``mean(sorted[k:])`` is ``< m2_threshold`` (``n - 1`` when there

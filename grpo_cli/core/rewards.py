@@ -1,7 +1,7 @@
 """Reward shaping as AReaL's PPO actor does it before computing advantages.
 
-Mirrors the first steps of ``PPOActor._compute_advantages`` (``areal/trainer/ppo/actor.py``; described in
-AReaL's ``areal/utils/functional.py`` and ``areal/engine/ppo/actor.py``–4, §1.9, §2.1):
+Mirrors the first steps of ``PPOActor._compute_advantages`` (``areal/trainer/ppo/actor.py``; the
+helpers live in ``areal/utils/functional/functional.py`` and ``areal/utils/data.py``):
 
 * :func:`reward_overlong_penalty` — AReaL's ``reward_overlong_penalty`` (DAPO's soft overlong punishment);
 * :func:`shape_rewards` — bias, scaling and clip of the scalar task reward;

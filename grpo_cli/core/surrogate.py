@@ -11,7 +11,7 @@ from grpo_cli.core._loss_common import check_real, compute_dtype
 
 __all__ = ["clipped_grpo_surrogate"]
 
-# Seed 003: the log-ratio is bounded to ±60 before exp, so exp never overflows float32/bfloat16.
+# The log-ratio is bounded to ±60 before exp, so exp never overflows float32/bfloat16.
 LOG_RATIO_BOUND = 60.0
 
 ArrayLike = Tensor | Sequence
@@ -117,7 +117,7 @@ def clipped_grpo_surrogate(
     # Bounds rounded to the working dtype: the comparison and the clamp see the same numbers.
     lo = torch.tensor(1.0 - eps, dtype=cd, device=new.device)
     hi = torch.tensor(1.0 + eps, dtype=cd, device=new.device)
-    # Seed 003: s = min(r·A, clip(r, 1 - eps, 1 + eps)·A).
+    # PPO's clipped surrogate (Schulman et al. 2017, Eq. 7): s = min(r·A, clip(r, 1 - eps, 1 + eps)·A).
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
     surrogate = torch.where(mask, surrogate, zero)
 

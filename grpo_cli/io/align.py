@@ -1,4 +1,4 @@
-"""Undoing next-token alignment on packed sequences (``docs/recipes/``; ``dumps.md`` §8.1).
+"""Undoing next-token alignment on packed sequences (``docs/recipes/``).
 
 Schema v1 is *token-aligned*: the value at index t of a sequence belongs to token t (its log-prob given the tokens
 before it). Several trainers keep per-token tensors *next-token aligned* instead — the value at index t belongs to

@@ -1,7 +1,8 @@
 """``analyze`` figures of AReaL's joint distillation (``teacher_logp`` column): ``kd/rkl_mean`` and ``loss/kd``.
 
 The math is :func:`grpo_cli.core.distill.distill_loss_terms`; this group streams its float64 numerators and token
-counts, so the figures are the token means over the whole dump (AReaL's engine-level normalisation, areal.md §1.8).
+counts, so the figures are the token means over the whole dump (AReaL's engine-level normalisation,
+``areal/engine/core/train_engine.py``).
 """
 
 from __future__ import annotations
