@@ -182,3 +182,20 @@ def test_areal_recipe_on_areal_data_path(areal_modules: dict[str, Any], decouple
     if not decoupled:  # AReaL copies the behaviour log-prob into prox_logp: not written
         assert "prox_logp" not in got["columns"]
 
+
+def test_areal_recipe_ids_unique_across_ranks(areal_modules: dict[str, Any], tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch):
+    # Data parallel: every rank runs the hook in its own process, on its own shard, into one dump directory.
+    # A (step, seq_id) seen twice is a duplicate to the analyzer (GRP107), so the ids must differ across ranks.
+    for rank in range(2):
+        with monkeypatch.context() as process:
+            hook = _install_recipe(areal_modules["actor"], process, tmp_path / "dump")
+            # The hook's view of torch.distributed in that process (AReaL's own calls stay single-process here).
+            hook.dist = types.SimpleNamespace(is_initialized=lambda: True, get_rank=lambda r=rank: r,
+                                              get_world_size=lambda: 2)
+            _train_step(areal_modules, decoupled=False)
+            hook._get_writer().close()
+    got = read_columns(tmp_path / "dump")
+    keys = list(zip(got["step"], got["seq_id"]))
+    assert len(keys) == 2 * len(TRAJECTORIES)
+    assert len(set(keys)) == len(keys), "seq_id repeats across ranks"
