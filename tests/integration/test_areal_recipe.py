@@ -115,7 +115,7 @@ def _next_token(row: list[float]) -> torch.Tensor:
     return torch.tensor([[*row[1:], 9.0]])
 
 
-def _rollout_batch(decoupled: bool) -> list[dict[str, torch.Tensor]]:
+def _rollout_batch(recompute: bool) -> list[dict[str, torch.Tensor]]:
     batch = []
     for i, (prompt, response, behave, versions, reward) in enumerate(TRAJECTORIES):
         seq = prompt + response
@@ -128,32 +128,38 @@ def _rollout_batch(decoupled: bool) -> list[dict[str, torch.Tensor]]:
             "rewards": torch.tensor([reward], dtype=torch.float32),
         }
         traj["ref_logp"] = _next_token(_truth(i, -0.02))  # rl_trainer: traj["ref_logp"] = ref.compute_logp(...)
-        if decoupled:  # rl_trainer: traj["prox_logp"] = actor.compute_logp(...)
+        if recompute:  # rl_trainer: traj["prox_logp"] = actor.compute_logp(...)
             traj["prox_logp"] = _next_token(_truth(i, -0.01))
         batch.append(traj)
     return batch
 
 
-def _train_step(modules: dict[str, Any], decoupled: bool) -> FSDPEngineDataPath:
+MODES = {  # (use_decoupled_loss, recompute_logprob)
+    "decoupled": (True, True), "behaviour": (False, False), "recompute_without_decoupled": (False, True)}
+
+
+def _train_step(modules: dict[str, Any], mode: str) -> FSDPEngineDataPath:
     """One step as ``PPOTrainer.train`` runs it on a training process: advantages, then the PPO update."""
+    decoupled, recompute = MODES[mode]
     cli_args = modules["cli_args"]
     config = cli_args.PPOActorConfig(
         experiment_name="e", trial_name="t", path="p", ppo_n_minibatches=2, adv_norm=None, kl_ctl=0.0,
-        use_decoupled_loss=decoupled, recompute_logprob=decoupled,
+        use_decoupled_loss=decoupled, recompute_logprob=recompute,
         mb_spec=cli_args.MicroBatchSpec(max_tokens_per_mb=8),  # several packed micro-batches per mini-batch
     )
     engine = FSDPEngineDataPath(modules["data"], modules["functional"], TABLE, config.mb_spec)
     ppo_actor = modules["actor"].PPOActor(config, engine)
-    adv_batch = ppo_actor.compute_advantages(_rollout_batch(decoupled))  # AReaL's rolls, masks and GAE
+    adv_batch = ppo_actor.compute_advantages(_rollout_batch(recompute))  # AReaL's rolls, masks and GAE
     ppo_actor.ppo_update(adv_batch)  # the recipe's _ppo_update wrapper, then grpo_loss_fn per micro-batch
     return engine
 
 
-@pytest.mark.parametrize("decoupled", [True, False])
-def test_areal_recipe_on_areal_data_path(areal_modules: dict[str, Any], decoupled: bool, tmp_path: Path,
+@pytest.mark.parametrize("mode", list(MODES))
+def test_areal_recipe_on_areal_data_path(areal_modules: dict[str, Any], mode: str, tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch):
     hook = _install_recipe(areal_modules["actor"], monkeypatch, tmp_path / "dump")
-    engine = _train_step(areal_modules, decoupled)
+    hook.RECOMPUTE_WITHOUT_DECOUPLED = mode == "recompute_without_decoupled"  # the recipe's switch
+    engine = _train_step(areal_modules, mode)
     assert engine.micro_batches >= 3  # AReaL's loss ran, on packed micro-batches
     hook._get_writer().close()
 
@@ -169,7 +175,8 @@ def test_areal_recipe_on_areal_data_path(areal_modules: dict[str, Any], decouple
         seq = prompt + response
         assert rows["versions"][k] == [-1] * len(prompt) + versions  # not rolled in AReaL
         assert rows["loss_mask"][k] == [False] * len(prompt) + [True] * len(response)
-        assert rows["old_logp"][k] == f32([0.0] * len(prompt) + behave)
+        if mode != "recompute_without_decoupled":
+            assert rows["old_logp"][k] == f32([0.0] * len(prompt) + behave)
         assert rows["ref_logp"][k] == f32([0.0] * len(prompt) + _truth(k, -0.02)[len(prompt):])  # AReaL masks it
         # gamma = lambda = 1, no KL, no critic: every response token's advantage is the sequence reward.
         assert [a for a, m in zip(rows["advantages"][k], rows["loss_mask"][k]) if m] == [reward] * len(response)
@@ -177,10 +184,14 @@ def test_areal_recipe_on_areal_data_path(areal_modules: dict[str, Any], decouple
         ent = [0.0] + [float(entropy_of[a]) for a in seq[:-1]]
         assert rows["new_logp"][k] == pytest.approx(new, abs=1e-5)
         assert rows["entropy"][k] == pytest.approx(ent, abs=1e-5)
-        if decoupled:
+        if mode == "decoupled":
             assert rows["prox_logp"][k] == f32(_truth(k, -0.01))  # the recompute is not masked by AReaL
-    if not decoupled:  # AReaL copies the behaviour log-prob into prox_logp: not written
+        if mode == "recompute_without_decoupled":  # AReaL overwrote "logprobs" with the (masked) recompute
+            assert rows["prox_logp"][k] == f32([0.0] * len(prompt) + _truth(k, -0.01)[len(prompt):])
+    if mode == "behaviour":  # AReaL copies the behaviour log-prob into prox_logp: not written
         assert "prox_logp" not in got["columns"]
+    if mode == "recompute_without_decoupled":  # the behaviour log-prob is gone: not written
+        assert "old_logp" not in got["columns"]
 
 
 def test_areal_recipe_ids_unique_across_ranks(areal_modules: dict[str, Any], tmp_path: Path,
@@ -193,7 +204,7 @@ def test_areal_recipe_ids_unique_across_ranks(areal_modules: dict[str, Any], tmp
             # The hook's view of torch.distributed in that process (AReaL's own calls stay single-process here).
             hook.dist = types.SimpleNamespace(is_initialized=lambda: True, get_rank=lambda r=rank: r,
                                               get_world_size=lambda: 2)
-            _train_step(areal_modules, decoupled=False)
+            _train_step(areal_modules, "behaviour")
             hook._get_writer().close()
     got = read_columns(tmp_path / "dump")
     keys = list(zip(got["step"], got["seq_id"]))
