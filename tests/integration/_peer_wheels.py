@@ -81,17 +81,19 @@ class _ForcedStubs(importlib.abc.MetaPathFinder):
 
 
 @contextlib.contextmanager
-def framework_modules(top: str, root: Path, version: str, names: list[str]) -> Iterator[list[ModuleType]]:
+def framework_modules(top: str, root: Path, version: str, names: list[str],
+                      forced_stubs: tuple[str, ...] = FORCED_STUBS,
+                      stubs: tuple[str, ...] = STUBS) -> Iterator[list[ModuleType]]:
     """Import ``names`` from the unpacked wheel at ``root`` (top-level package ``top``) and keep the import machinery
     active inside the block (the recipe's own ``import`` lines run there); on exit every module of ``top`` leaves
     ``sys.modules`` again, so a recipe's monkeypatches never reach another test."""
-    forced = {n for n in FORCED_STUBS if n not in sys.modules}
+    forced = {n for n in forced_stubs if n not in sys.modules}
     finder = _ForcedStubs(forced)
     sys.meta_path.insert(0, finder)
     compile_ = torch.compile
     torch.compile = lambda model=None, **kwargs: model  # type: ignore[assignment]  # eager: same functions
     try:
-        with peer_imports({top: root}, STUBS, {top: version}), warnings.catch_warnings():
+        with peer_imports({top: root}, stubs, {top: version}), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield [importlib.import_module(name) for name in names]
     finally:
