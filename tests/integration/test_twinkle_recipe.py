@@ -141,7 +141,7 @@ def _kwargs(batch: list[tuple[Any, ...]], forms: dict[str, Any], width: int) -> 
     return kwargs
 
 
-@pytest.mark.parametrize("accumulation", [1])
+@pytest.mark.parametrize("accumulation", [1, 2])
 def test_twinkle_recipe_on_twinkle_training_path(twinkle_modules: dict[str, Any], recipe: types.ModuleType,
                                                  tmp_path: Path, accumulation: int):
     table = torch.linspace(-2.0, 2.0, VOCAB * VOCAB).reshape(VOCAB, VOCAB).cos() * 2.5
