@@ -149,12 +149,13 @@ def test_report_takes_the_dumps_options(capsys, dumps, tmp_path):
     same = data(dumps["plain"], *EXPLICIT)
     assert same["analyze"]["metrics"] == doc["analyze"]["metrics"]
     assert same["compare_prox"]["metrics"] == doc["compare_prox"]["metrics"]
-    explicit = data(dumps["meta"], "--epsilon", "0.2")
-    assert explicit["analyze"]["config"]["epsilon"] == 0.2 and explicit["compare_prox"]["config"]["epsilon"] == 0.2
-    # --compare: the base run is read with its own recorded options.
-    compared = data(dumps["plain_new"], "--compare", dumps["meta"])
-    assert compared["analyze"]["config"]["temperature"] == 1.0
-    assert compared["compare"]["analyze"]["config"]["temperature"] == 0.5
+    # --compare: the base run is read with its own recorded options; an explicit option wins in both runs.
+    compared = data(dumps["plain_new"], "--compare", dumps["meta"], "--epsilon", "0.2")
+    assert compared["analyze"]["config"]["temperature"] == 1.0 and compared["analyze"]["config"]["epsilon"] == 0.2
+    assert compared["compare_prox"]["config"]["epsilon"] == 0.2
+    base = compared["compare"]["analyze"]["config"]
+    assert base["temperature"] == 0.5 and base["epsilon"] == 0.2
+    assert base["from_metadata"] == {"temperature": 0.5, "framework": "verl"}
     assert compared["compare"]["analyze"]["metrics"]["logp/new_mean"] == doc["analyze"]["metrics"]["logp/new_mean"]
     _refused(capsys, "report", _disagreeing(tmp_path), "-o", tmp_path / "x.html")
 

@@ -198,7 +198,9 @@ def report(
     epsilon: GateEpsilonOpt = None,
     epsilon_high: EpsilonHighOpt = None,
     temperature: GateTemperatureOpt = None,
-    top_k: Annotated[int, typer.Option("--top-k", help="List the k highest-KL tokens (0: off).")] = 10,
+    top_k: Annotated[
+        int, typer.Option("--top-k", help="List the k highest-KL and highest-ratio tokens (0: off).")
+    ] = 10,
     tolerance: Annotated[
         float | None,
         typer.Option("--tolerance", help="compare-prox: bound on a lag's abs_error_mean for the max-safe-lag "
