@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "sample_data" / "rollouts.parquet"
 
 SECTION_IDS = ("summary", "verdicts", "verdict-sanity", "key-figures", "checks", "check-sanity", "trends",
-               "distributions", "staleness", "top-kl", "top-kl-table", "figures", "not-computed", "config",
+               "distributions", "staleness", "top-kl", "top-kl-table", "top-ratio",
+               "top-ratio-table", "figures", "not-computed", "config",
                "report-data")
 CHART_IDS = ("fig-trend-clip", "fig-trend-kl", "fig-trend-is-ess", "fig-trend-is-chi2", "fig-trend-staleness",
              "fig-trend-loss", "fig-trend-entropy", "fig-hist-ratio", "fig-hist-abs-diff", "fig-heat-staleness",
@@ -153,7 +154,8 @@ def test_every_section_and_chart_is_there(sample_page):
     assert "check --rules-preset sanity" in html and 'class="verdict pass"' in html
     # compare-prox verdicts and the top-k table.
     assert "loglinear: safe up to lag 1" in html
-    assert html.count("<tr><td class=\"mono\">rollouts.parquet</td>") == 10
+    top_kl = re.search(r'<table id="top-kl-table">.*?</table>', html, re.S)
+    assert top_kl is not None and top_kl.group(0).count("<tr><td class=\"mono\">rollouts.parquet</td>") == 10
 
 
 def test_page_is_offline(sample_page):

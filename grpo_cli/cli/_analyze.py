@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -42,11 +41,13 @@ from grpo_cli.cli._options import (
     WorkersOpt,
     check_device,
     config_from,
+    metadata_defaults,
     one_of,
     open_input,
     progress_bar,
     resolve_workers,
     warn_skipped,
+    with_options,
     write_result,
 )
 from grpo_cli.errors import UsageError
@@ -161,7 +162,8 @@ def analyze(
     for note in config.ppo_notes():
         typer.echo(f"grpo-cli: warning: {note}", err=True)
     dataset = open_input(paths, column_map, preset)
-    config, from_metadata = _metadata_defaults(ctx, config, dataset.files)
+    options, from_metadata = metadata_defaults(ctx, dataset.files, config)
+    config = with_options(config, options)
     # TensorBoard curves are per step: without --group-by the step split is computed for them alone.
     by_step = tensorboard is not None and group_by is None and "step" in dataset.columns
     if by_step:
@@ -214,26 +216,6 @@ def analyze(
     )
 
 
-def _metadata_defaults(ctx: typer.Context, config: Any, files: Sequence[Any]) -> tuple[Any, dict[str, Any]]:
-    """The config with the dump's recorded options (``RolloutWriter(metadata=…)``: temperature, clip widths) where
-    the command line left them at their defaults, and what was taken (reported as ``config.from_metadata``)."""
-
-    from grpo_cli.io.metadata import METADATA_OPTIONS, dump_defaults
-
-    def given(name: str) -> bool:  # on the command line or from the environment, not the parameter's default
-        source = ctx.get_parameter_source(name)
-        return source is not None and getattr(source, "name", "") not in ("DEFAULT", "DEFAULT_MAP")
-
-    explicit = {name for name in METADATA_OPTIONS if given(name)}
-    found = dump_defaults(files, explicit)
-    options = {name: value for name, value in found.items() if name in METADATA_OPTIONS}
-    if not options:
-        return config, found
-    config = dataclasses.replace(config, **options)
-    config.validate()
-    return config, found
-
-
 DEFAULT_GROUP_METRICS = ("n_valid_tokens", "kl/k3", "clip/ratio", "ratio/max", "logp/diff_mean")
 
 
@@ -262,6 +244,7 @@ def _select_metrics(names: str | None, result: AnalysisResult, defaults: list[st
 
 @app.command("compare-prox")
 def compare_prox(
+    ctx: typer.Context,
     paths: PathsArg,
     method: Annotated[
         list[str] | None,
@@ -314,10 +297,14 @@ def compare_prox(
     for note in config.ppo_notes():
         typer.echo(f"grpo-cli: warning: {note}", err=True)
     dataset = open_input(paths, column_map, preset)
+    options, from_metadata = metadata_defaults(ctx, dataset.files, config)
+    config = with_options(config, options)
     if current_version is not None and "current_version" in dataset.columns:
         typer.echo("grpo-cli: warning: --current-version is ignored: the dump has a current_version column", err=True)
     with progress_bar(dataset.n_tokens, quiet) as progress:
         result = run_compare(dataset, config, progress=progress, workers=resolve_workers(workers, device))
+    if from_metadata:
+        result.config["from_metadata"] = from_metadata
     warn_skipped(result.metrics)
     from grpo_cli.metrics.names import rename_result
 

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from grpo_cli._format import format_value
 from grpo_cli.cli._app import app
 from grpo_cli.cli._options import (
     DEFAULT_BATCH_TOKENS,
@@ -28,10 +29,12 @@ from grpo_cli.cli._options import (
     WorkersOpt,
     check_device,
     config_from,
+    metadata_defaults,
     open_input,
     progress_bar,
     resolve_workers,
     warn_skipped,
+    with_options,
     write_result,
 )
 from grpo_cli.errors import UsageError
@@ -64,6 +67,7 @@ def split_runs(
 
 @app.command()
 def diff(
+    ctx: typer.Context,
     runs: Annotated[
         list[str] | None,
         typer.Argument(metavar="BASE NEW", help="The two runs: each a Parquet file, a directory (recursive) or a "
@@ -117,14 +121,27 @@ def diff(
     config.validate()
     for note in config.ppo_notes():
         typer.echo(f"grpo-cli: warning: {note}", err=True)
-    measured = []
+    measured, options, used = [], [], []
     for paths, name in zip((base_paths, new_paths), labels):
         dataset = open_input(paths, column_map, preset)
+        # Each run is measured with its own dump's recorded options where the command line gave none.
+        found, reported = metadata_defaults(ctx, dataset.files, config)
         with progress_bar(dataset.n_tokens, quiet) as progress:
-            run = measure(dataset, config, name, progress=progress, workers=resolve_workers(workers, device))
+            run = measure(dataset, with_options(config, found), name, progress=progress,
+                          workers=resolve_workers(workers, device))
         warn_skipped(run.result.metrics)
         measured.append(run)
-    result = diff_results(measured[0], measured[1], config)
+        options.append(found)
+        used.append(reported)
+    # The config reports a recorded option where both runs used the same value; from_metadata says each run's.
+    common = {k: v for k, v in options[0].items() if k in options[1] and options[1][k] == v}
+    for key in sorted((options[0].keys() | options[1].keys()) - common.keys()):
+        base_value, new_value = (format_value(found.get(key, getattr(config, key))) for found in options)
+        typer.echo(f"grpo-cli: warning: {key} differs between the runs ({labels[0]} {base_value}, {labels[1]} "
+                   f"{new_value}, from their metadata): each run's figures use its own", err=True)
+    result = diff_results(measured[0], measured[1], with_options(config, common))
+    if any(used):
+        result.config["from_metadata"] = {"base": used[0], "new": used[1]}
 
     def draw(console: Console) -> None:
         render_diff(console, result, show_all=show_all)

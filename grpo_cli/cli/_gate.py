@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -25,10 +25,12 @@ from grpo_cli.cli._options import (
     QuietOpt,
     check_device,
     emit,
+    metadata_defaults,
     one_of,
     open_input,
     progress_bar,
     warn_skipped,
+    with_options,
     write_result,
 )
 from grpo_cli.errors import UsageError
@@ -56,6 +58,7 @@ CHECK_FORMATS = ("table", "json", "github")
 
 @app.command()
 def check(
+    ctx: typer.Context,
     paths: PathsArg,
     rules: Annotated[
         list[Path] | None, typer.Option("--rules", "-r", help="TOML rules file (repeatable); see docs/check.md.")
@@ -135,6 +138,9 @@ def check(
         typer.echo(f"grpo-cli: warning: {note}", err=True)
     base = load_baseline(baseline) if baseline is not None else None
     dataset = open_input(paths, column_map, preset)
+    # The dump's recorded options fill what neither the command line nor the rules' [analyze] table set.
+    options, from_metadata = metadata_defaults(ctx, dataset.files, config, fixed=rule_set.analyze)
+    config = with_options(config, options)
     started = time.perf_counter()
     with progress_bar(dataset.n_tokens, quiet) as progress:
         report = run_check(dataset, rule_set, config, baseline=base, warn_only=warn_only,
@@ -142,6 +148,8 @@ def check(
                            findings=DetectConfig(max_staleness=max_staleness, prox_approximation=prox_approximation),
                            select=select or None, ignore=ignore or ())
     elapsed = time.perf_counter() - started
+    if from_metadata:
+        report.config["from_metadata"] = from_metadata
     warn_skipped(report.metrics)
     for note in report.notes:
         typer.echo(f"grpo-cli: warning: {note}", err=True)
@@ -179,6 +187,7 @@ def check(
 
 @app.command()
 def report(
+    ctx: typer.Context,
     paths: PathsArg,
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the HTML page.")],
     rules: Annotated[
@@ -189,7 +198,9 @@ def report(
     epsilon: GateEpsilonOpt = None,
     epsilon_high: EpsilonHighOpt = None,
     temperature: GateTemperatureOpt = None,
-    top_k: Annotated[int, typer.Option("--top-k", help="List the k highest-KL tokens (0: off).")] = 10,
+    top_k: Annotated[
+        int, typer.Option("--top-k", help="List the k highest-KL and highest-ratio tokens (0: off).")
+    ] = 10,
     tolerance: Annotated[
         float | None,
         typer.Option("--tolerance", help="compare-prox: bound on a lag's abs_error_mean for the max-safe-lag "
@@ -223,25 +234,36 @@ def report(
         for path in rules:
             merged = merged.merge(load_rules(path))
         rule_sets.append(("rules", merged))
-    analyze_config, prox_config, require_valid = report_configs(
-        rule_sets,
-        top_k=top_k,
-        tolerance=tolerance,
-        epsilon=epsilon,
-        epsilon_high=epsilon_high,
-        temperature=temperature,
-        current_version=current_version,
-        batch_tokens=batch_tokens,
-        device=check_device(device),
-        on_invalid=on_invalid,
-    )
+    options = dict(epsilon=epsilon, epsilon_high=epsilon_high, temperature=temperature,
+                   current_version=current_version, batch_tokens=batch_tokens, device=check_device(device),
+                   on_invalid=on_invalid)
+    analyze_config, prox_config, require_valid = report_configs(rule_sets, top_k=top_k, tolerance=tolerance,
+                                                                **options)
     for note in analyze_config.ppo_notes():
         typer.echo(f"grpo-cli: warning: {note}", err=True)
     dataset = open_input(paths, column_map, preset)
+    # The dump's recorded options fill what neither the command line nor a rules file set; the configs are chosen
+    # again so compare-prox's follow analyze's as usual (a rules file's [compare_prox] still wins there).
+    in_rules = {name for _, rule_set in rule_sets for name in rule_set.analyze}
+    found, from_metadata = metadata_defaults(ctx, dataset.files, analyze_config, fixed=in_rules)
+    plain_config = analyze_config
+    if found:
+        analyze_config, prox_config, require_valid = report_configs(rule_sets, top_k=top_k, tolerance=tolerance,
+                                                                    **{**options, **found})
+    baseline, base_config = None, None
+    base_metadata: dict[str, Any] = {}
+    if compare:
+        # The base run is read with its own recorded options, as diff reads each run.
+        baseline = open_input(compare, column_map, preset)
+        base_found, base_metadata = metadata_defaults(ctx, baseline.files, plain_config, fixed=in_rules)
+        base_config = with_options(plain_config, base_found)
     with progress_bar(dataset.n_tokens, quiet) as progress:
         result = build_report(dataset, rule_sets, analyze_config, prox_config, require_valid=require_valid,
-                              progress=progress, preset=preset,
-                              baseline=open_input(compare, column_map, preset) if compare else None)
+                              progress=progress, preset=preset, baseline=baseline, baseline_config=base_config)
+    if from_metadata:
+        result.analysis.config["from_metadata"] = from_metadata
+    if result.baseline is not None and base_metadata:
+        result.baseline.config["from_metadata"] = base_metadata
     warn_skipped(result.analysis.metrics)
     page = render_html(result)
     emit(page, output)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -38,6 +39,9 @@ __all__ = [
     "check_device",
     "config_from",
     "emit",
+    "given",
+    "metadata_defaults",
+    "with_options",
     "one_of",
     "open_input",
     "progress_bar",
@@ -245,6 +249,54 @@ def config_from(config_type: type, values: Mapping[str, Any], **overrides: Any) 
     chosen = {name: value for name, value in values.items() if name in fields}
     chosen.update(overrides)
     return config_type(**chosen)
+
+
+def given(ctx: typer.Context, name: str) -> bool:
+    """Whether the parameter ``name`` came from the command line or the environment, not from its default."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and getattr(source, "name", "") not in ("DEFAULT", "DEFAULT_MAP")
+
+
+def metadata_defaults(
+    ctx: typer.Context,
+    files: Sequence[str | os.PathLike[str]],
+    config: Any,
+    *,
+    fixed: Collection[str] = (),
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The options a dump records (``RolloutWriter(metadata=…)``: temperature, clip widths) that become this
+    command's defaults, and what to report as ``config.from_metadata``.
+
+    An option given on the command line wins, and so do those in ``fixed`` (set by a rules file); options that
+    ``config`` (the command's config dataclass, or an instance) lacks are neither read nor checked. Every command
+    takes its dump's defaults here, so they mean the same everywhere (docs/schema.md, "Options recorded in a
+    dump").
+
+    Returns:
+        ``(options, used)``: ``{field: value}`` to apply to the config (:func:`with_options`), and those plus the
+        informational ``framework`` as reported in the output's config (empty when the dump records none).
+
+    Raises:
+        InputError: the files record different values for an option, or a value that is not a finite number
+            ``>= 0`` (exit 2, naming both files and the metadata key).
+    """
+    from grpo_cli.io.metadata import METADATA_OPTIONS, dump_defaults
+
+    fields = {f.name for f in dataclasses.fields(config)}
+    skipped = {name for name in METADATA_OPTIONS if name not in fields or name in fixed or given(ctx, name)}
+    used = dump_defaults(files, skipped)
+    return {name: value for name, value in used.items() if name in METADATA_OPTIONS}, used
+
+
+def with_options(config: Any, options: Mapping[str, Any]) -> Any:
+    """``config`` (a dataclass) with ``options`` replacing its fields of those names, validated again."""
+    fields = {f.name for f in dataclasses.fields(config)}
+    chosen = {name: value for name, value in options.items() if name in fields}
+    if not chosen:
+        return config
+    config = dataclasses.replace(config, **chosen)
+    config.validate()
+    return config
 
 
 def write_result(

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpo_cli.commands.analyze import ratio_base
 from grpo_cli.engine.run import AnalysisResult, run
 from grpo_cli.errors import InputError
 from grpo_cli.io.reader import RolloutDataset
@@ -139,6 +140,9 @@ def compare_prox(
     result_config["current_version_source"] = (
         "column" if "current_version" in dataset.columns else "--current-version"
     )
+    # Which log-prob the PPO ratio r = π_θ / π_base of loss_* and clip_flip_frac is taken against, named as in
+    # analyze's config: prox_logp is required here, so the truth's ratio is against the recomputed prox.
+    result_config["ratio_base"] = ratio_base(dataset)
     return CompareProxResult(
         metrics=metrics,
         omitted=omitted,

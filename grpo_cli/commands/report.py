@@ -188,11 +188,12 @@ def build_report(
     preset: str | None = None,
     findings: DetectConfig | None = None,
     baseline: RolloutDataset | None = None,
+    baseline_config: AnalyzeConfig | None = None,
 ) -> Report:
     """Run the passes a report needs and evaluate every rule set on their figures.
 
-    ``baseline`` (``report --compare``) is another run analysed with the same options; its per-step figures are
-    drawn on every trend chart.
+    ``baseline`` (``report --compare``) is another run analysed with ``baseline_config`` (default: the same
+    options); its per-step figures are drawn on every trend chart.
 
     Raises:
         UsageError, InputError: as ``analyze`` / ``check`` (exit 2).
@@ -230,9 +231,11 @@ def build_report(
     ]
     base_analysis = None
     if baseline is not None:
-        # The same options as this run's pass, so the base's lines on the charts are the same figures.
+        # The same options as this run's pass unless given (its own dump's recorded options), so the base's lines
+        # on the charts are the same figures.
         base_group_by = TREND_GROUP_BY if TREND_GROUP_BY in baseline.columns else None
-        base_analysis = analyze(baseline, replace(analyze_config, group_by=base_group_by, top_k=0))
+        base_analysis = analyze(baseline, replace(baseline_config or analyze_config, group_by=base_group_by,
+                                                  top_k=0))
     return Report(
         analysis=analysis,
         baseline=base_analysis,

@@ -251,15 +251,27 @@ def _verdicts(report: Report) -> list[dict[str, Any]]:
     return out
 
 
-def _top_kl(report: Report) -> list[dict[str, str]]:
+def _top_tokens(report: Report, key: str, values: Sequence[str]) -> list[dict[str, str]]:
+    """The rows of a top-token list (``top_kl``, ``top_ratio``): its file's name, row, position and ``values``."""
     inputs = report.analysis.inputs
     rows = []
-    for record in report.analysis.metrics.get("top_kl") or []:
+    for record in report.analysis.metrics.get(key) or []:
         index = record["file"]
         name = os.path.basename(inputs[index]) if 0 <= index < len(inputs) else str(index)
         rows.append({"file": name, "row": str(record["row"]), "position": str(record["position"]),
-                     **{c: _fmt(record[c]) for c in ("kl", "ratio", "new_logp", "old_logp") if c in record}})
+                     **{c: _fmt(record[c]) for c in values if c in record}})
     return rows
+
+
+def _top_kl(report: Report) -> list[dict[str, str]]:
+    return _top_tokens(report, "top_kl", ("kl", "ratio", "new_logp", "old_logp"))
+
+
+def _top_ratio(report: Report) -> dict[str, Any]:
+    """``top_ratio``'s rows (the first is ``ratio/max``'s token), the ratio base they use, and why it is missing."""
+    base = report.analysis.config.get("ratio_base", "old")
+    return {"rows": _top_tokens(report, "top_ratio", ("ratio", "new_logp", "base_logp")), "base": base,
+            "missing": report.analysis.omitted.get("top_ratio", f"no valid token has a {base}_logp")}
 
 
 def _stats(report: Report) -> list[tuple[str, str]]:
@@ -341,6 +353,7 @@ def _context(report: Report) -> dict[str, Any]:
         "prox": _prox(report),
         "top_kl": _top_kl(report),
         "top_kl_missing": report.analysis.omitted.get("top_kl", "no valid token has an old_logp"),
+        "top_ratio": _top_ratio(report),
         "figure_sections": _figure_sections(metrics),
         "omitted": sorted(report.analysis.omitted.items()),
         "data_id": DATA_ELEMENT_ID,
