@@ -23,17 +23,19 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=None)
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--ops", action="store_true")
+    parser.add_argument("--no-findings", action="store_true", help="leave out the findings' statistics groups")
     args = parser.parse_args()
 
     from grpo_cli.engine.validate import BatchValidator
     from grpo_cli.io.reader import DEFAULT_BATCH_TOKENS, RolloutDataset
     from grpo_cli.metrics import AnalyzeConfig, default_groups
+    from grpo_cli.metrics.diagnosis import diagnosis_groups
 
     torch.set_num_threads(1)
     batch_tokens = args.batch_tokens or DEFAULT_BATCH_TOKENS
     dataset = RolloutDataset([args.dump])
     config = AnalyzeConfig(batch_tokens=batch_tokens)
-    groups = default_groups()
+    groups = default_groups() + ([] if args.no_findings else diagnosis_groups())
     columns = {"loss_mask"}.union(*(group.columns() for group in groups))
     batches, n = [], 0
     for batch in dataset.iter_batches(columns=columns, raw_mask=True, batch_tokens=batch_tokens):

@@ -22,6 +22,7 @@ from grpo_cli.findings import verdict
 from grpo_cli.metrics.registry import KEYS, SECTIONS, section_of
 from grpo_cli.render import charts
 from grpo_cli.render.documents import analyze_document, compare_prox_document
+from grpo_cli.render.tables import merge_identical_tokens, row_ranges
 
 __all__ = ["DATA_ELEMENT_ID", "TRENDS", "render_html", "report_data"]
 
@@ -252,13 +253,17 @@ def _verdicts(report: Report) -> list[dict[str, Any]]:
 
 
 def _top_tokens(report: Report, key: str, values: Sequence[str]) -> list[dict[str, str]]:
-    """The rows of a top-token list (``top_kl``, ``top_ratio``): its file's name, row, position and ``values``."""
+    """The rows of a top-token list (``top_kl``, ``top_ratio``): its file's name, rows, position and ``values``.
+
+    Rows that differ only in their row (the same token of duplicated sequences) are merged, as in analyze's table;
+    ``merged`` is then ``"1"``."""
     inputs = report.analysis.inputs
     rows = []
-    for record in report.analysis.metrics.get(key) or []:
+    for record, record_rows in merge_identical_tokens(report.analysis.metrics.get(key) or [], values):
         index = record["file"]
         name = os.path.basename(inputs[index]) if 0 <= index < len(inputs) else str(index)
-        rows.append({"file": name, "row": str(record["row"]), "position": str(record["position"]),
+        rows.append({"file": name, "row": row_ranges(record_rows), "position": str(record["position"]),
+                     "merged": "1" if len(record_rows) > 1 else "",
                      **{c: _fmt(record[c]) for c in values if c in record}})
     return rows
 

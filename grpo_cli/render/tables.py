@@ -77,7 +77,7 @@ def render_table(
         for column in ("file", "row", "position", *values):
             header = {"ratio": "ratio vs old", "ratio_base": "ratio vs prox"}.get(column, column)
             table.add_column(header, justify="right")
-        merged = _merge_identical(top, values)
+        merged = merge_identical_tokens(top, values)
         for record, rows in merged:
             table.add_row(*_location(record, inputs, rows), *(format_value(record.get(c)) for c in values))
         _note_merged(table, merged)
@@ -88,7 +88,7 @@ def render_table(
         table = Table(title=f"Highest-ratio tokens (π_θ / π_{base}; the first is ratio/max)", title_justify="left")
         for column in ("file", "row", "position", "ratio", "new_logp", f"{base}_logp"):
             table.add_column(column, justify="right")
-        merged = _merge_identical(top_ratio, ("ratio", "new_logp", "base_logp"))
+        merged = merge_identical_tokens(top_ratio, ("ratio", "new_logp", "base_logp"))
         for record, rows in merged:
             table.add_row(*_location(record, inputs, rows),
                           *(format_value(record[c]) for c in ("ratio", "new_logp", "base_logp")))
@@ -100,10 +100,10 @@ def render_table(
 def _location(record: Mapping[str, Any], inputs: Sequence[str], rows: Sequence[int] = ()) -> tuple[str, str, str]:
     file_index = record["file"]
     name = os.path.basename(inputs[file_index]) if 0 <= file_index < len(inputs) else str(file_index)
-    return name, _row_list(rows or [record["row"]]), str(record["position"])
+    return name, row_ranges(rows or [record["row"]]), str(record["position"])
 
 
-def _row_list(rows: Sequence[int]) -> str:
+def row_ranges(rows: Sequence[int]) -> str:
     """``[3, 4, 5, 9]`` → ``3–5, 9``."""
     runs: list[list[int]] = []
     for row in sorted(rows):
@@ -114,7 +114,7 @@ def _row_list(rows: Sequence[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs)
 
 
-def _merge_identical(
+def merge_identical_tokens(
     records: Sequence[Mapping[str, Any]], values: Sequence[str]
 ) -> list[tuple[Mapping[str, Any], list[int]]]:
     """Top-token rows that differ only in their row (the same token of duplicated sequences: repeated prompts and
