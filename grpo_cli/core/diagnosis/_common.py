@@ -9,7 +9,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["LOGP_COLUMNS", "TOP_FIELDS", "as_float", "locations", "table_rows", "top_table"]
+from grpo_cli.core.state import MetricState
+
+__all__ = [
+    "LOGP_COLUMNS",
+    "TOP_FIELDS",
+    "as_float",
+    "counts_by",
+    "first_index",
+    "last_index",
+    "locations",
+    "sums_by",
+    "table_rows",
+    "top_table",
+    "update_top",
+]
 
 LOGP_COLUMNS = ("new_logp", "old_logp", "prox_logp", "ref_logp")
 TOP_FIELDS = ("score", "file", "row", "step", "value")
@@ -38,6 +52,46 @@ def top_table(score: Tensor, keep: Tensor, file: Tensor, row: Tensor, step: Tens
         [score.to(torch.float64), file, row, step_col.to(score.device), value.to(torch.float64)], dim=1
     )
     return rows[keep]
+
+
+def update_top(
+    state: MetricState,
+    score: Tensor,
+    keep: Tensor,
+    value: Tensor,
+    *,
+    file_index: int,
+    rows: Tensor | None,
+    step: Tensor | None,
+) -> None:
+    """Offer the sequences where ``keep`` to ``state``'s bounded ``top`` table, ranked by ``score`` (one per
+    sequence), with their locations and a family-specific ``value``."""
+    file, row = locations(file_index, rows, score.numel(), score.device)
+    state.update(top=top_table(score, keep, file, row, step, value))
+
+
+def sums_by(index: Tensor, values: Tensor, n: int) -> Tensor:
+    """float64 Σ ``values`` per segment: ``out[j]`` sums the tokens with ``index == j`` (``index``: a sequence or key
+    index per token, ``0 ≤ index < n``)."""
+    return torch.zeros(n, dtype=torch.float64, device=index.device).index_add_(0, index, values.to(torch.float64))
+
+
+def counts_by(index: Tensor, mask: Tensor, n: int) -> Tensor:
+    """int64 count of the ``mask`` tokens per segment (``index`` as in :func:`sums_by`)."""
+    return torch.zeros(n, dtype=torch.int64, device=index.device).index_add_(0, index, mask.to(torch.int64))
+
+
+def last_index(index: Tensor, mask: Tensor, n: int, position: Tensor) -> Tensor:
+    """The largest ``position`` of a ``mask`` token per segment, −1 where a segment has none."""
+    fill = torch.full((n,), -1, dtype=torch.int64, device=index.device)
+    return fill.scatter_reduce(0, index, torch.where(mask, position, -1), reduce="amax")
+
+
+def first_index(index: Tensor, mask: Tensor, n: int, position: Tensor) -> Tensor:
+    """The smallest ``position`` of a ``mask`` token per segment, the int64 maximum where a segment has none."""
+    big = torch.iinfo(torch.int64).max
+    fill = torch.full((n,), big, dtype=torch.int64, device=index.device)
+    return fill.scatter_reduce(0, index, torch.where(mask, position, big), reduce="amin")
 
 
 def table_rows(table: Tensor) -> list[dict[str, Any]]:

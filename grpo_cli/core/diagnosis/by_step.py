@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_cli.core.diagnosis._common import as_float
+from grpo_cli.core.diagnosis._common import as_float, counts_by, first_index, sums_by
 from grpo_cli.core.keyed_state import KeyedState
 from grpo_cli.core.packing import segment_ids
 from grpo_cli.core.state import Reduce
@@ -80,7 +80,7 @@ def by_step_update(
     inv_tok = inv_seq.index_select(0, seq)
 
     def tok_sum(values: Tensor) -> Tensor:
-        return torch.zeros(n_keys, dtype=torch.float64, device=device).index_add_(0, inv_tok, values.to(torch.float64))
+        return sums_by(inv_tok, values, n_keys)
 
     cols = {name: torch.zeros(n_keys, dtype=torch.float64, device=device) for name in _STEP_COLUMNS}
     new = as_float(new_logp)
@@ -101,16 +101,15 @@ def by_step_update(
         cols["n_ent"] = cols["n_tok"]
         cols["sum_ent"] = tok_sum(as_float(entropy))
     seq_ones = torch.ones(n_seq, dtype=torch.float64, device=device)
-    cols["n_seq"] = torch.zeros(n_keys, dtype=torch.float64, device=device).index_add_(0, inv_seq, seq_ones)
+    cols["n_seq"] = sums_by(inv_seq, seq_ones, n_keys)
     if rewards is not None:
         cols["n_rew"] = cols["n_seq"]
-        cols["sum_rew"] = torch.zeros(n_keys, dtype=torch.float64, device=device).index_add_(
-            0, inv_seq, rewards.to(device=device, dtype=torch.float64))
+        cols["sum_rew"] = sums_by(inv_seq, rewards.to(device=device, dtype=torch.float64), n_keys)
     max_lag = torch.full((n_keys,), -math.inf, dtype=torch.float64, device=device)
     if eos is not None:
         cols["n_eos_known"] = cols["n_seq"]
         no_eos = (eos.to(device) == 0).to(torch.float64)
-        cols["n_no_eos"] = torch.zeros(n_keys, dtype=torch.float64, device=device).index_add_(0, inv_seq, no_eos)
+        cols["n_no_eos"] = sums_by(inv_seq, no_eos, n_keys)
     if lag is not None:
         gen = lag >= 0
         cols["n_lag"] = tok_sum(gen)
@@ -131,8 +130,8 @@ def by_step_update(
     if old_logp is not None and lag is not None:
         at0 = lag == 0
         d0 = torch.where(at0, (new - as_float(old_logp)).abs().to(torch.float64), 0.0)
-        s_sum = torch.zeros(n_seq, dtype=torch.float64, device=device).index_add_(0, seq, d0)
-        s_n = torch.zeros(n_seq, dtype=torch.int64, device=device).index_add_(0, seq, at0.to(torch.int64))
+        s_sum = sums_by(seq, d0, n_seq)
+        s_n = counts_by(seq, at0, n_seq)
         ok = s_n >= LAG0_SEQ_MIN_TOKENS
         if bool(ok.any()):
             seq_max = seq_max.scatter_reduce(0, inv_seq[ok], (s_sum / s_n.clamp_min(1))[ok], reduce="amax")
@@ -152,16 +151,13 @@ def _step_lag_rows(step: Tensor, seq: Tensor, new: Tensor, old: Tensor, lag: Ten
         return torch.zeros((0, 6), dtype=torch.float64, device=device)
     n = new.numel()
     idx = torch.arange(n, device=device)
-    big = torch.iinfo(torch.int64).max
-    first = torch.full((n_seq,), big, dtype=torch.int64, device=device).scatter_reduce(
-        0, seq, torch.where(gen, idx, big), reduce="amin"
-    )
-    has = first < big
+    first = first_index(seq, gen, n_seq, idx)
+    has = first < torch.iinfo(torch.int64).max
     seq_lag = torch.where(has, lag.index_select(0, first.clamp_max(n - 1)), -1).clamp_max(_STEP_LAG_BINS - 1)
     same = gen & (lag.clamp_max(_STEP_LAG_BINS - 1) == seq_lag.index_select(0, seq))
     diff = torch.where(same, (new - old).abs().to(torch.float64), 0.0)
-    s_sum = torch.zeros(n_seq, dtype=torch.float64, device=device).index_add_(0, seq, diff)
-    s_n = torch.zeros(n_seq, dtype=torch.int64, device=device).index_add_(0, seq, same.to(torch.int64))
+    s_sum = sums_by(seq, diff, n_seq)
+    s_n = counts_by(seq, same, n_seq)
     keep = has & (s_n > 0)
     s_mean = s_sum / s_n.clamp_min(1)
     s_max = torch.where(s_n >= LAG0_SEQ_MIN_TOKENS, s_mean, -math.inf)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grpo_cli.core.diagnosis._common import counts_by, sums_by
 from grpo_cli.core.keyed_state import KeyedState
 from grpo_cli.core.packing import lengths_from_cu_seqlens, segment_ids
 from grpo_cli.core.state import Reduce
@@ -61,9 +62,9 @@ def groups_update(
     valid = loss_mask.to(torch.bool)
     adv = advantages.to(torch.float64)
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    v_sum = torch.zeros(n_seq, dtype=torch.float64, device=device).index_add_(0, seq, torch.where(valid, adv, zero))
-    v_n = torch.zeros(n_seq, dtype=torch.int64, device=device).index_add_(0, seq, valid.to(torch.int64))
-    all_sum = torch.zeros(n_seq, dtype=torch.float64, device=device).index_add_(0, seq, adv)
+    v_sum = sums_by(seq, torch.where(valid, adv, zero), n_seq)
+    v_n = counts_by(seq, valid, n_seq)
+    all_sum = sums_by(seq, adv, n_seq)
     lengths = lengths_from_cu_seqlens(cu_seqlens).to(device)
     a = torch.where(v_n > 0, v_sum / v_n.clamp_min(1), all_sum / lengths.clamp_min(1))
     r = rewards.to(device=device, dtype=torch.float64)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_cli.core.diagnosis._common import TOP_FIELDS, as_float, locations, table_rows, top_table
+from grpo_cli.core.diagnosis._common import TOP_FIELDS, as_float, counts_by, sums_by, table_rows, update_top
 from grpo_cli.core.packing import segment_ids
 from grpo_cli.core.state import MetricState, count, maximum, top_rows, total
 
@@ -88,13 +88,12 @@ def lags_update(
         state.update(max_abs0=diff[at0].max())
     n_seq = cu_seqlens.numel() - 1
     seq = segment_ids(cu_seqlens, n).to(device)
-    s_sum = torch.zeros(n_seq, dtype=torch.float64, device=device).index_add_(0, seq, torch.where(at0, diff, 0.0))
-    s_n = torch.zeros(n_seq, dtype=torch.int64, device=device).index_add_(0, seq, at0.to(torch.int64))
+    s_sum = sums_by(seq, torch.where(at0, diff, 0.0), n_seq)
+    s_n = counts_by(seq, at0, n_seq)
     has = s_n > 0
     s_mean = s_sum / s_n.clamp_min(1)
     state.update(n_seq0=has.sum(), n_seq0_big=(has & (s_mean > BIG_SEQ_MISMATCH)).sum())
-    file, row = locations(file_index, rows, n_seq, device)
-    state.update(top=top_table(s_mean, has, file, row, step, s_n))
+    update_top(state, s_mean, has, s_n, file_index=file_index, rows=rows, step=step)
 
 
 def lags_compute(state: MetricState, *, tolerance: float = 0.01) -> dict[str, Any]:

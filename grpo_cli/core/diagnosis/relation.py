@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_cli.core.diagnosis._common import TOP_FIELDS, as_float, locations, table_rows, top_table
+from grpo_cli.core.diagnosis._common import TOP_FIELDS, as_float, counts_by, sums_by, table_rows, update_top
 from grpo_cli.core.packing import lengths_from_cu_seqlens, segment_ids
 from grpo_cli.core.state import MetricState, count, top_rows, total
 
@@ -62,16 +62,15 @@ def relation_update(
     lengths = lengths_from_cu_seqlens(cu_seqlens).to(x.device)
     seq = segment_ids(cu_seqlens, n).to(x.device)
     n_seq = lengths.numel()
-    sums = torch.zeros(n_seq, dtype=torch.float64, device=x.device).index_add_(0, seq, d)
+    sums = sums_by(seq, d, n_seq)
     has = lengths > 0
     seq_mean = sums / lengths.clamp_min(1)
     state.update(n_seq=has.sum(), seq_sd=seq_mean[has].sum(), seq_sdd=(seq_mean[has] ** 2).sum())
-    gt = torch.zeros(n_seq, dtype=torch.int64, device=x.device).index_add_(0, seq, (y > x).to(torch.int64))
+    gt = counts_by(seq, y > x, n_seq)
     long = lengths >= ONESIDED_MIN_TOKENS
     onesided = long & (gt >= ONESIDED_FRAC * lengths)
     state.update(n_seq_long=long.sum(), n_seq_onesided=onesided.sum())
-    file, row = locations(file_index, rows, n_seq, x.device)
-    state.update(top=top_table(seq_mean, has, file, row, step, lengths))
+    update_top(state, seq_mean, has, lengths, file_index=file_index, rows=rows, step=step)
 
 
 def relation_compute(state: MetricState) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_cli.core.diagnosis._common import TOP_FIELDS, as_float, locations, table_rows, top_table
+from grpo_cli.core.diagnosis._common import TOP_FIELDS, as_float, counts_by, sums_by, table_rows, update_top
 from grpo_cli.core.packing import segment_ids
 from grpo_cli.core.state import MetricState, count, top_rows, total
 
@@ -47,10 +47,8 @@ def _pair_sums(new: Tensor, old: Tensor, valid: Tensor, seq: Tensor, n_seq: int,
         a, b = new[-s:], old[:s]
         ok = valid[-s:] & valid[:s] & (seq[-s:] == seq[:s])
         owner = seq[-s:]
-    diff = torch.where(ok, (a - b).abs(), torch.zeros((), dtype=a.dtype, device=a.device)).to(torch.float64)
-    sums = torch.zeros(n_seq, dtype=torch.float64, device=new.device).index_add_(0, owner, diff)
-    counts = torch.zeros(n_seq, dtype=torch.int64, device=new.device).index_add_(0, owner, ok.to(torch.int64))
-    return sums, counts
+    diff = torch.where(ok, (a - b).abs(), torch.zeros((), dtype=a.dtype, device=a.device))
+    return sums_by(owner, diff, n_seq), counts_by(owner, ok, n_seq)
 
 
 def shift_update(
@@ -97,8 +95,7 @@ def shift_update(
     state.update(
         n_seq=enough.sum(), n_seq_late=late.sum(), n_seq_early=early.sum(),
     )
-    file, row = locations(file_index, rows, n_seq, new.device)
-    state.update(top=top_table(mean[0] - best_side, prefers, file, row, step, side))
+    update_top(state, mean[0] - best_side, prefers, side, file_index=file_index, rows=rows, step=step)
 
 
 def shift_compute(state: MetricState) -> dict[str, Any]:

@@ -8,7 +8,16 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from grpo_cli.core.diagnosis._common import LOGP_COLUMNS, TOP_FIELDS, as_float, locations, table_rows, top_table
+from grpo_cli.core.diagnosis._common import (
+    LOGP_COLUMNS,
+    TOP_FIELDS,
+    as_float,
+    counts_by,
+    first_index,
+    last_index,
+    table_rows,
+    update_top,
+)
 from grpo_cli.core.packing import segment_ids
 from grpo_cli.core.state import MetricState, count, top_rows
 
@@ -85,25 +94,18 @@ def zeros_update(
         state.update(n_old_zero_new_not=gap.sum())
         suspect |= gap
     # trailing zero runs: the valid zero tokens after a sequence's last valid non-zero token
-    n_valid_seq = torch.zeros(n_seq, dtype=torch.int64, device=device).index_add_(0, seq, valid.to(torch.int64))
+    n_valid_seq = counts_by(seq, valid, n_seq)
     idx = torch.arange(n, device=device)
-    last_valid = torch.full((n_seq,), -1, dtype=torch.int64, device=device).scatter_reduce(
-        0, seq, torch.where(valid, idx, -1), reduce="amax"
-    )
+    last_valid = last_index(seq, valid, n_seq, idx)
     breaker = valid & ~zero_all
-    last_breaker = torch.full((n_seq,), -1, dtype=torch.int64, device=device).scatter_reduce(
-        0, seq, torch.where(breaker, idx, -1), reduce="amax"
-    )
+    last_breaker = last_index(seq, breaker, n_seq, idx)
     in_run = valid & zero_all & (idx > last_breaker.index_select(0, seq))
-    run_len = torch.zeros(n_seq, dtype=torch.int64, device=device).index_add_(0, seq, in_run.to(torch.int64))
+    run_len = counts_by(seq, in_run, n_seq)
     trailing = (run_len >= 2) & (last_valid >= 0)
     state.update(n_seq=(n_valid_seq > 0).sum(), n_seq_trailing=trailing.sum(), n_tok_trailing=run_len[trailing].sum())
     suspect |= in_run & trailing.index_select(0, seq)
     # holes: masked tokens strictly between a sequence's first and last valid token
-    big = torch.iinfo(torch.int64).max
-    first_valid = torch.full((n_seq,), big, dtype=torch.int64, device=device).scatter_reduce(
-        0, seq, torch.where(valid, idx, big), reduce="amin"
-    )
+    first_valid = first_index(seq, valid, n_seq, idx)
     inside = (idx > first_valid.index_select(0, seq)) & (idx < last_valid.index_select(0, seq))
     hole = inside & ~valid
     state.update(n_holes=hole.sum())
@@ -118,11 +120,10 @@ def zeros_update(
             n_holes_generated=(hole & generated).sum(),
         )
         suspect |= prompt_in_loss | generated_masked
-    per_seq = torch.zeros(n_seq, dtype=torch.int64, device=device).index_add_(0, seq, suspect.to(torch.int64))
+    per_seq = counts_by(seq, suspect, n_seq)
     flagged = per_seq > 0
     state.update(n_seq_suspect=flagged.sum())
-    file, row = locations(file_index, rows, n_seq, device)
-    state.update(top=top_table(per_seq.to(torch.float64), flagged, file, row, step, n_valid_seq))
+    update_top(state, per_seq.to(torch.float64), flagged, n_valid_seq, file_index=file_index, rows=rows, step=step)
 
 
 def zeros_compute(state: MetricState) -> dict[str, Any]:
