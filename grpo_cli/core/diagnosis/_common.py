@@ -1,0 +1,107 @@
+"""The plumbing every family of :mod:`grpo_cli.core.diagnosis` shares: the log-prob column names, the
+bounded ``top_*`` tables of sequence locations, and dtype handling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grpo_cli.core.state import MetricState
+
+__all__ = [
+    "LOGP_COLUMNS",
+    "TOP_FIELDS",
+    "as_float",
+    "counts_by",
+    "first_index",
+    "last_index",
+    "locations",
+    "sums_by",
+    "table_rows",
+    "top_table",
+    "update_top",
+]
+
+LOGP_COLUMNS = ("new_logp", "old_logp", "prox_logp", "ref_logp")
+TOP_FIELDS = ("score", "file", "row", "step", "value")
+"""Columns of every ``top_*`` table: the ranking score, the sequence's file index and row, its step (NaN when the
+dump has none) and one family-specific value (documented per table)."""
+
+
+def as_float(x: Tensor) -> Tensor:
+    """``x`` as float32 when it is a half type (bf16, fp16), else unchanged (no copy)."""
+    return x.to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def locations(file_index: int, rows: Tensor | None, n_seq: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """float64 (file, row) columns of a batch's sequences (rows 0 … n_seq − 1 when ``rows`` is ``None``)."""
+    row = rows.to(device=device, dtype=torch.float64) if rows is not None else torch.arange(
+        n_seq, device=device, dtype=torch.float64
+    )
+    return torch.full((n_seq,), float(file_index), dtype=torch.float64, device=device), row
+
+
+def top_table(score: Tensor, keep: Tensor, file: Tensor, row: Tensor, step: Tensor | None, value: Tensor) -> Tensor:
+    """Rows ``[score, file, row, step, value]`` of the sequences where ``keep``."""
+    n = score.numel()
+    step_col = step.to(torch.float64) if step is not None else torch.full((n,), math.nan, dtype=torch.float64)
+    rows = torch.stack(
+        [score.to(torch.float64), file, row, step_col.to(score.device), value.to(torch.float64)], dim=1
+    )
+    return rows[keep]
+
+
+def update_top(
+    state: MetricState,
+    score: Tensor,
+    keep: Tensor,
+    value: Tensor,
+    *,
+    file_index: int,
+    rows: Tensor | None,
+    step: Tensor | None,
+) -> None:
+    """Offer the sequences where ``keep`` to ``state``'s bounded ``top`` table, ranked by ``score`` (one per
+    sequence), with their locations and a family-specific ``value``."""
+    file, row = locations(file_index, rows, score.numel(), score.device)
+    state.update(top=top_table(score, keep, file, row, step, value))
+
+
+def sums_by(index: Tensor, values: Tensor, n: int) -> Tensor:
+    """float64 Σ ``values`` per segment: ``out[j]`` sums the tokens with ``index == j`` (``index``: a sequence or key
+    index per token, ``0 ≤ index < n``)."""
+    return torch.zeros(n, dtype=torch.float64, device=index.device).index_add_(0, index, values.to(torch.float64))
+
+
+def counts_by(index: Tensor, mask: Tensor, n: int) -> Tensor:
+    """int64 count of the ``mask`` tokens per segment (``index`` as in :func:`sums_by`)."""
+    return torch.zeros(n, dtype=torch.int64, device=index.device).index_add_(0, index, mask.to(torch.int64))
+
+
+def last_index(index: Tensor, mask: Tensor, n: int, position: Tensor) -> Tensor:
+    """The largest ``position`` of a ``mask`` token per segment, −1 where a segment has none."""
+    fill = torch.full((n,), -1, dtype=torch.int64, device=index.device)
+    return fill.scatter_reduce(0, index, torch.where(mask, position, -1), reduce="amax")
+
+
+def first_index(index: Tensor, mask: Tensor, n: int, position: Tensor) -> Tensor:
+    """The smallest ``position`` of a ``mask`` token per segment, the int64 maximum where a segment has none."""
+    big = torch.iinfo(torch.int64).max
+    fill = torch.full((n,), big, dtype=torch.int64, device=index.device)
+    return fill.scatter_reduce(0, index, torch.where(mask, position, big), reduce="amin")
+
+
+def table_rows(table: Tensor) -> list[dict[str, Any]]:
+    """The filled rows of a ``top_*`` table as dicts of :data:`TOP_FIELDS` (``step`` ``None`` when unknown)."""
+    out = []
+    for r in table.tolist():
+        if r[0] == -math.inf:
+            continue
+        out.append({
+            "score": r[0], "file": int(r[1]), "row": int(r[2]),
+            "step": None if math.isnan(r[3]) else int(r[3]), "value": r[4],
+        })
+    return out
