@@ -123,7 +123,7 @@ def gae_advantages(
 
 @dataclass(frozen=True)
 class AdvantageConfig:
-    """The ``PPOActorConfig`` fields AReaL's ``_compute_advantages`` reads, with its defaults (areal.md §5).
+    """The ``PPOActorConfig`` fields (``areal/api/cli_args.py``) AReaL's ``_compute_advantages`` reads.
 
     Attributes:
         reward_bias, reward_scaling, reward_clip: scalar reward shaping (0.0, 1.0, 20.0).

@@ -67,7 +67,8 @@ def normalize(
 ) -> Tensor:
     """AReaL's ``Normalization(config)(x, loss_mask, group_sizes=...)``: ``(x − mean) · m / (std + eps)``.
 
-    Semantics (areal.md §2.2), all statistics in float64 and token-weighted (each valid token counts once):
+    Semantics (AReaL ``Normalization``, ``areal/utils/data.py``), all statistics in float64 and token-weighted
+    (each valid token counts once):
 
     * mean — ``batch``: ``S/N`` over all valid elements (0 when ``N = 0``); ``group``: the same per group;
       ``None``: 0. Leave-one-out: ``(S − x_i)/(N − 1)`` on valid elements, ``S/N`` on masked ones, 0 when
