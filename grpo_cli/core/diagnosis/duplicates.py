@@ -19,9 +19,9 @@ _LOC_SCALE = 2.0**32
 
 
 def _mix(values: Tensor, salt: int) -> Tensor:
-    """A position-free mixing of int64 values in [0, 2^32) into [0, _HASH_P)."""
-    hi, lo = values >> 16, values & 0xFFFF
-    return (hi * (40503 + salt) + lo * (65599 + 7 * salt) + 12345 + salt) % _HASH_P
+    """A position-free mixing of int64 values in [0, 2^32) into [0, _HASH_P); overwrites ``values``."""
+    mixed = (values >> 16).mul_(40503 + salt)
+    return mixed.add_(values.bitwise_and_(0xFFFF), alpha=65599 + 7 * salt).add_(12345 + salt).remainder_(_HASH_P)
 
 
 def sequence_hash(bits: list[Tensor], cu_seqlens: Tensor) -> Tensor:
@@ -39,13 +39,17 @@ def sequence_hash(bits: list[Tensor], cu_seqlens: Tensor) -> Tensor:
     n_seq = cu_seqlens.numel() - 1
     device = bits[0].device
     seq = segment_ids(cu_seqlens, n).to(device)
-    pos = torch.arange(n, device=device) - cu_seqlens[:-1].to(device).index_select(0, seq)
-    mult = ((pos + 1) * 2654435761) % _HASH_P
+    # In place throughout: on a CPU these int64 passes cost their allocations more than their arithmetic.
+    mult = torch.arange(1, n + 1, device=device).sub_(cu_seqlens[:-1].to(device).index_select(0, seq))
+    mult.mul_(2654435761).remainder_(_HASH_P)
     acc = torch.zeros(n, dtype=torch.int64, device=device)
     for salt, values in enumerate(bits):
-        raw = values.to(torch.float32).contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-        acc = (acc + _mix(raw, salt) * mult % _HASH_P) % _HASH_P
-    sums = torch.zeros(n_seq, dtype=torch.int64, device=device).index_add_(0, seq, acc) % _HASH_P
+        raw = values.to(torch.float32).contiguous().view(torch.int32).to(torch.int64).bitwise_and_(0xFFFFFFFF)
+        acc.add_(_mix(raw, salt).mul_(mult).remainder_(_HASH_P))
+    # One reduction of the token terms instead of one per column: the same residues, and the per-sequence sums of
+    # terms below 2^31 stay far below 2^63.
+    acc.remainder_(_HASH_P)
+    sums = torch.zeros(n_seq, dtype=torch.int64, device=device).index_add_(0, seq, acc).remainder_(_HASH_P)
     lengths = lengths_from_cu_seqlens(cu_seqlens).to(device) % (1 << 21)
     return (sums + _HASH_P * lengths).to(torch.float64)
 

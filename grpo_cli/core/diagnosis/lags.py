@@ -69,23 +69,32 @@ def lags_update(
     gen = lag >= 0
     diff = (new - old).abs()
     b = lag.clamp(0, MAX_DIAG_LAG)
-    zeros = torch.zeros(MAX_DIAG_LAG + 1, dtype=torch.float64, device=device)
-    counts = torch.zeros(MAX_DIAG_LAG + 1, dtype=torch.int64, device=device)
-    counts.index_add_(0, b[gen], torch.ones_like(b[gen]))
-    state.update(n=counts, sum_abs=zeros.clone().index_add_(0, b[gen], diff[gen]))
-    if bool(gen.any()):
-        state.update(lag_max=lag[gen].max().to(torch.float64))
+    lag_max = lag.max()  # the largest generated lag whenever any token is generated (the others are negative)
+    all_generated = bool(lag.min() >= 0)
+    # Masked by zero terms rather than by boolean indexing: the same sums (a +0.0 term changes no partial sum of
+    # these non-negative values), without one gather per column.
+    counts = torch.zeros(MAX_DIAG_LAG + 1, dtype=torch.int64, device=device).index_add_(
+        0, b, torch.ones_like(b) if all_generated else gen.to(torch.int64))
+
+    def by_lag(values: Tensor) -> Tensor:
+        terms = values if all_generated else torch.where(gen, values, 0.0)
+        return torch.zeros(MAX_DIAG_LAG + 1, dtype=torch.float64, device=device).index_add_(0, b, terms)
+
+    state.update(n=counts, sum_abs=by_lag(diff))
+    if bool(lag_max >= 0):
+        state.update(lag_max=lag_max.to(torch.float64))
     if prox_logp is not None:
         k = lag.to(torch.float64)
         alpha = torch.where(k >= 1, (k - 1) / k.clamp_min(1), torch.zeros_like(k))
         err = (as_float(prox_logp).to(torch.float64) - (old + alpha * (new - old))).abs()
-        state.update(n_prox=counts, sum_prox_err=zeros.clone().index_add_(0, b[gen], err[gen]))
+        state.update(n_prox=counts, sum_prox_err=by_lag(err))
     at0 = lag == 0
-    x0, y0 = new[at0], old[at0]
-    state.update(sum_exp0=torch.exp(diff[at0]).sum(), sx0=x0.sum(), sy0=y0.sum(), sxx0=(x0 * x0).sum(),
+    lag0 = at0.nonzero().squeeze(1)  # one gather index for the three lag-0 columns
+    x0, y0, d0 = new.index_select(0, lag0), old.index_select(0, lag0), diff.index_select(0, lag0)
+    state.update(sum_exp0=torch.exp(d0).sum(), sx0=x0.sum(), sy0=y0.sum(), sxx0=(x0 * x0).sum(),
                  sxy0=(x0 * y0).sum())
-    if bool(at0.any()):
-        state.update(max_abs0=diff[at0].max())
+    if lag0.numel():
+        state.update(max_abs0=d0.max())
     n_seq = cu_seqlens.numel() - 1
     seq = segment_ids(cu_seqlens, n).to(device)
     s_sum = sums_by(seq, torch.where(at0, diff, 0.0), n_seq)
