@@ -23,8 +23,9 @@ from grpo_cli.io._convert_common import (
     _key_map,
     _writer_error,
 )
+from grpo_cli.io.part_writer import TOKEN_INPUTS
 from grpo_cli.io.presets import Preset
-from grpo_cli.io.writer import TOKEN_INPUTS, RolloutWriter
+from grpo_cli.io.writer import RolloutWriter
 
 __all__ = ["safe_torch_load"]
 

@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 
 from grpo_cli.errors import InputError, UsageError
 from grpo_cli.io._convert_common import _CHUNK_TOKENS, Check, ConvertResult, _check_out_dir
+from grpo_cli.io.part_writer import fast_write_options
 from grpo_cli.io.presets import open_dataset
 from grpo_cli.io.schema import Layout
-from grpo_cli.io.writer import fast_write_options
 
 __all__ = ["optimize_dump"]
 

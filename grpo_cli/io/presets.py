@@ -375,7 +375,7 @@ class PrependSlotTransform:
 
 def preset_transforms(preset: Preset | str, dataset: RolloutDataset) -> list[Any]:
     """The batch transforms a preset needs on ``dataset`` (empty for token-aligned frameworks)."""
-    from grpo_cli.io.writer import read_metadata
+    from grpo_cli.io.part_writer import read_metadata
 
     preset = _by_name(preset) if isinstance(preset, str) else preset
     if preset.alignment == "token":
