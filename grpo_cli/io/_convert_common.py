@@ -12,7 +12,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from grpo_cli.errors import InputError, UsageError
-from grpo_cli.io.presets import Preset, resolve_column_map
+from grpo_cli.io.preset_table import Preset, resolve_column_map
 from grpo_cli.io.schema import COLUMNS
 
 __all__ = ["Check", "ConvertResult"]

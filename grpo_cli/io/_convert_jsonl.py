@@ -20,7 +20,7 @@ from grpo_cli.io._convert_common import (
     _key_map,
     _writer_error,
 )
-from grpo_cli.io.presets import Preset
+from grpo_cli.io.preset_table import Preset
 from grpo_cli.io.writer import RolloutWriter
 
 __all__: list[str] = []  # private to grpo_cli.io.convert

@@ -24,7 +24,7 @@ from grpo_cli.io._convert_common import (
     _writer_error,
 )
 from grpo_cli.io.part_writer import TOKEN_INPUTS
-from grpo_cli.io.presets import Preset
+from grpo_cli.io.preset_table import Preset
 from grpo_cli.io.writer import RolloutWriter
 
 __all__ = ["safe_torch_load"]

@@ -48,7 +48,7 @@ from grpo_cli.io._convert_jsonl import _convert_jsonl
 from grpo_cli.io._convert_slime import _convert_slime
 from grpo_cli.io._convert_torch import _convert_torch_dict, safe_torch_load
 from grpo_cli.io._optimize import optimize_dump
-from grpo_cli.io.presets import PRESETS
+from grpo_cli.io.preset_table import PRESETS
 
 __all__ = ["FORMATS", "Check", "ConvertResult", "convert", "optimize_dump", "safe_torch_load"]
 
