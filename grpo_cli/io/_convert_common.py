@@ -15,7 +15,7 @@ from grpo_cli.errors import InputError, UsageError
 from grpo_cli.io.preset_table import Preset, resolve_column_map
 from grpo_cli.io.schema import COLUMNS
 
-__all__ = ["Check", "ConvertResult"]
+__all__ = ["Check", "CheckFiles", "ConvertResult"]
 
 _CHUNK_TOKENS = 1 << 20
 
@@ -38,6 +38,11 @@ Check = Callable[[Any, "ConvertResult", str], None]
 """``check(dataset, result, what)``: the value checks run on a dump before it is rewritten (``optimize``) or on
 what a converter wrote; it raises :class:`~grpo_cli.errors.InputError` to refuse the data, or adds notes to
 ``result``. The command layer supplies it (``grpo_cli.commands.convert``: ``analyze``'s validation)."""
+
+CheckFiles = Callable[[list[Path], "ConvertResult", str], None]
+"""``check_files(files, result, what)``: the same checks on the part files a converter wrote (schema column names,
+sequence-per-row), without opening a dataset, so that a converter that needs no torch runs without it
+(``grpo_cli.commands.convert``: :func:`grpo_cli.engine.checks.check_part_files`)."""
 
 
 def _expand(sources: Sequence[str | os.PathLike[str]], suffixes: tuple[str, ...]) -> list[Path]:

@@ -39,30 +39,47 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpo_cli._choices import CONVERT_FORMATS
 from grpo_cli.errors import InputError, UsageError
-from grpo_cli.io._convert_common import Check, ConvertResult, _check_out_dir, _expand
+from grpo_cli.io._convert_common import Check, CheckFiles, ConvertResult, _check_out_dir, _expand
 from grpo_cli.io._convert_jsonl import _convert_jsonl
-from grpo_cli.io._convert_slime import _convert_slime
-from grpo_cli.io._convert_torch import _convert_torch_dict, safe_torch_load
 from grpo_cli.io._optimize import optimize_dump
 from grpo_cli.io.preset_table import PRESETS
 
-__all__ = ["FORMATS", "Check", "ConvertResult", "convert", "optimize_dump", "safe_torch_load"]
+if TYPE_CHECKING:
+    from grpo_cli.io._convert_torch import safe_torch_load
+
+# torch is loaded only for the formats that hold tensors (slime, torch-dict): ``--from jsonl`` and ``--optimize``
+# stay torch-free (docs/performance.md).
+
+__all__ = ["FORMATS", "Check", "CheckFiles", "ConvertResult", "convert", "optimize_dump", "safe_torch_load"]
 
 FORMATS = CONVERT_FORMATS
 
 
-def _validate_written(result: ConvertResult, check: Check | None) -> None:
-    """Check what a converter wrote; a refusal removes the written files (all or nothing)."""
-    from grpo_cli.io.reader import RolloutDataset
+def __getattr__(name: str) -> Any:
+    # PEP 562: safe_torch_load (torch) is imported from here when first used.
+    if name == "safe_torch_load":
+        from grpo_cli.io._convert_torch import safe_torch_load
 
-    if not result.files or check is None:
+        return safe_torch_load
+    raise AttributeError(f"module 'grpo_cli.io.convert' has no attribute {name!r}")
+
+
+def _validate_written(result: ConvertResult, check: Check | None, check_files: CheckFiles | None) -> None:
+    """Check what a converter wrote; a refusal removes the written files (all or nothing)."""
+    if not result.files or (check is None and check_files is None):
         return
     try:
-        check(RolloutDataset(result.files), result, "converted data")
+        if check_files is not None:
+            check_files(list(result.files), result, "converted data")
+        else:
+            from grpo_cli.io.reader import RolloutDataset
+
+            assert check is not None
+            check(RolloutDataset(result.files), result, "converted data")
     except InputError as exc:
         for path in result.files:
             path.unlink(missing_ok=True)
@@ -94,11 +111,14 @@ def convert(
     preset: str | None = None,
     metadata: Mapping[str, Any] | None = None,
     check: Check | None = None,
+    check_files: CheckFiles | None = None,
 ) -> ConvertResult:
     """Convert ``sources`` into schema-v1 part files in ``out_dir`` (see the module docstring).
 
-    The result is read back once by ``check`` (the command passes ``analyze``'s value checks): a refusal removes
-    what was written and raises; otherwise the data is kept and ``check`` may add notes.
+    The result is read back once by ``check_files`` (given the written files), else by ``check`` (given them as a
+    :class:`~grpo_cli.io.reader.RolloutDataset`; ``--optimize`` always uses ``check``). The command passes
+    ``analyze``'s value checks as both, the torch-free ones as ``check_files``. A refusal removes what was written
+    and raises; otherwise the data is kept and the check may add notes.
 
     Raises:
         UsageError: bad option combinations, a non-empty output directory.
@@ -146,10 +166,14 @@ def convert(
             raise UsageError("a slime rollout dump has no training log-prob (schema v1 needs new_logp): pass the "
                              "matching --save-debug-train-data files with --join")
         _check_out_dir(out, [*train, *rollout])
+        from grpo_cli.io._convert_slime import _convert_slime
+
         _convert_slime(train, rollout, out, result, meta)
     elif source_format == "torch-dict":
         files = _expand([Path(s) for s in sources], (".pt", ".pth", ".bin"))
         _check_out_dir(out, files)
+        from grpo_cli.io._convert_torch import _convert_torch_dict
+
         _convert_torch_dict(files, out, result, column_map, chosen, meta)
     else:
         files = _expand([Path(s) for s in sources], (".jsonl", ".json"))
@@ -157,5 +181,5 @@ def convert(
         _convert_jsonl(files, out, result, column_map, chosen, meta)
     if not result.files:
         raise InputError("no sequences found in the sources", file=str(sources[0]))
-    _validate_written(result, check)
+    _validate_written(result, check, check_files)
     return result

@@ -156,6 +156,27 @@ class PartWriter:
     ) -> None:
         self.close()
 
+    def add_arrays(self, step: int, columns: dict[str, pa.Array], n_tokens: int, conventions: tuple[str, str]) -> int:
+        """Append one batch of rows of training step ``step`` (a new step finishes the previous step's file).
+
+        Args:
+            step: the training step (an int >= 0); ``columns`` holds its ``step`` column.
+            columns: schema column → Arrow array, one row per sequence (per-token columns are lists).
+            n_tokens: the batch's token count (row groups hold about ``row_group_tokens``).
+            conventions: ``(source_alignment JSON, window)``, the same in every call.
+
+        Returns:
+            The number of rows added.
+
+        Raises:
+            ValueError: the writer is closed, or a column set, type or convention that differs from earlier calls.
+        """
+        if self._closed:
+            raise ValueError("the writer is closed")
+        batch = self._record_batch(columns, conventions)
+        self._append(step, batch, n_tokens)
+        return batch.num_rows
+
     def flush(self) -> None:
         """Finish the current step's part file now (it is renamed into place and readable)."""
         self._finish()
