@@ -20,9 +20,11 @@ Every ``.pt`` file is loaded with ``torch.load(weights_only=True)`` plus an expl
 reconstruction helpers; anything else in the pickle (a class, a function) is refused with an
 :class:`~grpo_cli.errors.InputError` naming it — never an unsafe unpickle. Converters stream: one source file
 (one rollout) at a time, padded tensors in row chunks, JSON lines in token-budgeted chunks, and write through
-:class:`~grpo_cli.io.writer.RolloutWriter`. The result is checked by a ``check`` callable the command supplies
-(``grpo_cli.commands.convert``: ``analyze``'s validation; under ``--on-invalid error``, the default, an invalid
-value removes what was written and exits 2; under ``skip`` the data is kept and the offenders are counted in a note).
+:class:`~grpo_cli.io.writer.RolloutWriter` (JSON lines, as numpy arrays, through its torch-free
+:class:`~grpo_cli.io.part_writer.PartWriter`: ``--from jsonl`` never loads torch). The result is checked by a
+``check_files`` (or ``check``) callable the command supplies (``grpo_cli.commands.convert``: ``analyze``'s
+validation; under ``--on-invalid error``, the default, an invalid value removes what was written and exits 2; under
+``skip`` the data is kept and the offenders are counted in a note).
 
 How slime's keys map (``dumps.md`` §5, §9): ``log_probs`` (the actor's recompute with the pre-update weights, i.e.
 the weights of the step's first training forward) → ``new_logp``; the per-update new log-prob is never dumped, and
