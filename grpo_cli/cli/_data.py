@@ -42,7 +42,7 @@ def schema(
     output: OutputOpt = None,
 ) -> None:
     """Print rollout schema v1 (columns, kinds, meanings) and, with --preset, a framework's column map."""
-    from grpo_cli.io.presets import describe, format_description
+    from grpo_cli.io.preset_table import describe, format_description
     from grpo_cli.render.documents import dumps_json
 
     doc = describe(preset)

@@ -1,15 +1,23 @@
-"""``grpo-cli convert``: the converters of :mod:`grpo_cli.io.convert`, with ``analyze``'s value checks on the data."""
+"""``grpo-cli convert``: the converters of :mod:`grpo_cli.io.convert`, with ``analyze``'s value checks on the data.
+
+What a converter wrote is checked with :func:`grpo_cli.engine.checks.check_part_files` (pyarrow and numpy), a dump
+re-encoded by ``--optimize`` with :class:`grpo_cli.engine.validate.BatchValidator` (torch, imported then): so
+``convert --from jsonl`` never loads torch.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from grpo_cli.engine.validate import BatchValidator, validation_compute, validation_state
+from grpo_cli.engine.checks import check_part_files
 from grpo_cli.io import convert as converters
 from grpo_cli.io.convert import ConvertResult
-from grpo_cli.io.reader import RolloutDataset
+
+if TYPE_CHECKING:
+    from grpo_cli.io.reader import RolloutDataset
 
 __all__ = ["ConvertResult", "convert"]
 
@@ -31,20 +39,30 @@ def convert(
     def check(dataset: RolloutDataset, result: ConvertResult, what: str) -> None:
         validate(dataset, on_invalid, result, what)
 
-    return converters.convert(sources, out_dir, check=check, **options)
+    def check_files(files: list[Path], result: ConvertResult, what: str) -> None:
+        _note_skipped(check_part_files(files, on_invalid), result, what)
+
+    return converters.convert(sources, out_dir, check=check, check_files=check_files, **options)
 
 
 def validate(dataset: RolloutDataset, on_invalid: str, result: ConvertResult, what: str) -> None:
     """One pass with analyze's value checks (:mod:`grpo_cli.engine.validate`): ``error`` raises on the first
     offender; ``skip`` only counts offenders into a note (analyze them later with ``--on-invalid skip``)."""
+    from grpo_cli.engine.validate import BatchValidator, validation_compute, validation_state
+
     validator = BatchValidator.for_dataset(dataset, on_invalid)
     state = validation_state() if validator.on_invalid.value == "skip" else None
     for batch in dataset.iter_batches(batch_tokens=_CHECK_BATCH_TOKENS, raw_mask=True):
         validator(batch, state)
     if state is not None:
-        counts = validation_compute(state)
-        if counts["invalid/n_sequences_skipped"]:
-            reasons = ", ".join(f"{k.split('/', 1)[1]} {v}" for k, v in counts.items()
-                                if v and k not in ("invalid/n_sequences_skipped", "invalid/n_tokens_skipped"))
-            result.notes.append(f"{what}: {counts['invalid/n_sequences_skipped']} sequences hold invalid values "
-                                f"({reasons}); kept — analyze them with --on-invalid skip")
+        _note_skipped(validation_compute(state), result, what)
+
+
+def _note_skipped(counts: Mapping[str, int], result: ConvertResult, what: str) -> None:
+    """The note for sequences kept although invalid (``counts``: ``validation_compute``'s keys; empty under
+    ``error``)."""
+    if counts.get("invalid/n_sequences_skipped"):
+        reasons = ", ".join(f"{k.split('/', 1)[1]} {v}" for k, v in counts.items()
+                            if v and k not in ("invalid/n_sequences_skipped", "invalid/n_tokens_skipped"))
+        result.notes.append(f"{what}: {counts['invalid/n_sequences_skipped']} sequences hold invalid values "
+                            f"({reasons}); kept — analyze them with --on-invalid skip")

@@ -42,9 +42,18 @@ import torch
 from torch import Tensor
 
 from grpo_cli.core.batch import TokenBatch
-from grpo_cli.core.logp_sanity import LOGP_COLUMNS, POSITIVE_LOGP_TOLERANCE
 from grpo_cli.core.packing import broadcast_to_tokens, lengths_from_cu_seqlens, segment_sum
 from grpo_cli.core.state import MetricState, count
+from grpo_cli.engine.checks import (
+    _CHECK,
+    _HINT,
+    _ORDER,
+    CHECKS,
+    LOGP_COLUMNS_CHECKED,
+    LOGP_TOLERANCE,
+    Check,
+    _describe,
+)
 from grpo_cli.engine.config import OnInvalid
 from grpo_cli.engine.figures import Figure
 from grpo_cli.engine.group import MetricGroup
@@ -67,53 +76,6 @@ __all__ = [
     "validation_compute",
     "validation_state",
 ]
-
-LOGP_TOLERANCE = POSITIVE_LOGP_TOLERANCE
-"""A valid token's log-prob counts as positive only above this (1e-4), and an entropy as negative only below its
-negative. float32 ``log_softmax`` of a near-certain token can round to a tiny positive value (about
-eps·|logsumexp| ≈ 4e-6 for logits near 30); a real sign error (a negative log-likelihood, a logit) is far larger.
-The same constant as the ``sanity/n_positive_logp`` count, so the two never disagree."""
-
-LOGP_COLUMNS_CHECKED = (*LOGP_COLUMNS, "teacher_logp")
-"""Every log-probability column: finite and ≤ :data:`LOGP_TOLERANCE` at valid tokens."""
-
-
-@dataclass(frozen=True)
-class Check:
-    """One validation rule: ``invalid/<reason>`` counts the sequences it dropped under ``--on-invalid skip``."""
-
-    reason: str
-    column: str
-    meaning: str
-    per_sequence: bool = False
-
-
-_TOLERANCE_TEXT = f"{LOGP_TOLERANCE:.0e}".replace("e-0", "e-")  # "1e-4"
-
-
-def _logp_checks() -> list[Check]:
-    out = []
-    for column in LOGP_COLUMNS_CHECKED:
-        out.append(Check(f"{column}_not_finite", column, f"NaN or ±inf {column} at a valid token"))
-        out.append(Check(f"{column}_positive", column, f"{column} > {_TOLERANCE_TEXT} at a valid token"))
-    return out
-
-
-CHECKS: tuple[Check, ...] = (
-    Check("loss_mask_not_binary", "loss_mask", "a loss_mask value other than 0 and 1"),
-    *_logp_checks(),
-    Check("entropy_not_finite", "entropy", "NaN or ±inf entropy at a valid token"),
-    Check("entropy_negative", "entropy", f"entropy < −{_TOLERANCE_TEXT} at a valid token"),
-    Check("advantages_not_finite", "advantages", "NaN or ±inf advantages at a valid token"),
-    Check("versions_below_minus_one", "versions", "version < −1 at a valid token"),
-    Check("versions_above_current", "versions", "version above the sequence's current_version at a valid token"),
-    Check("rewards_not_finite", "rewards", "NaN or ±inf reward", per_sequence=True),
-    Check("eos_not_binary", "eos", "an eos flag other than 0 and 1", per_sequence=True),
-)
-"""Every rule, in the order used to pick which problem to report when one token has several."""
-
-_HINT = "rerun with --on-invalid skip to drop (and count) such sequences"
-
 
 def validation_state(device: torch.device | str | None = None) -> MetricState:
     """An empty state of skip counts: sequences and tokens dropped, and sequences per reason (all int64)."""
@@ -359,37 +321,6 @@ class BatchValidator:
         lengths = lengths_from_cu_seqlens(cu)
         state.update(n_sequences_skipped=drop.sum(), n_tokens_skipped=lengths[drop].sum(), **per_reason)
         return batch.select_sequences(~drop)
-
-
-_CHECK = {check.reason: check for check in CHECKS}
-_ORDER = {check.reason: i for i, check in enumerate(CHECKS)}
-
-
-def _describe(check: Check, value: Any, tol: float, current: int | None) -> str:
-    """One clause saying what is wrong with ``value``."""
-    reason = check.reason
-    if reason == "loss_mask_not_binary":
-        return f"loss_mask value {value} (must be 0 or 1)"
-    if reason.endswith("_positive"):
-        return (
-            f"log-prob {value:.6g} > 0 at a valid token (tolerance {tol:g}); log-probabilities are <= 0 "
-            "(is this a negative log-likelihood or a logit?)"
-        )
-    if reason == "entropy_negative":
-        return f"entropy {value:.6g} < 0 at a valid token (tolerance {tol:g})"
-    if reason == "versions_below_minus_one":
-        return f"version {value} < -1 at a valid token (versions are policy versions >= 0, or -1 for prompt tokens)"
-    if reason == "versions_above_current":
-        return (
-            f"version {value} at a valid token is above the sequence's current_version {current} "
-            "(a token cannot come from a future policy)"
-        )
-    if reason == "rewards_not_finite":
-        return f"reward is {value}"
-    if reason == "eos_not_binary":
-        return f"eos flag {value} (must be 0 or 1)"
-    kind = {"entropy": "entropy", "advantages": "advantage"}.get(check.column, "log-prob")
-    return f"{kind} is {value} at a valid token (loss_mask = 1)"
 
 
 class ValidationGroup(MetricGroup):

@@ -43,7 +43,7 @@ def dump_defaults(files: Sequence[str | os.PathLike[str]], explicit: Collection[
     Raises:
         InputError: a recorded value is not a finite positive number, or two files record different values.
     """
-    from grpo_cli.io.writer import read_metadata
+    from grpo_cli.io.part_writer import read_metadata
 
     found: dict[str, tuple[Any, str]] = {}
     wanted = {**METADATA_OPTIONS, **{name: (name,) for name in INFORMATIONAL}}

@@ -32,7 +32,8 @@ and ``writer.close()`` at the end (or use it as a context manager). What it does
   ``schema_version``, ``writer``, ``rank``, ``step``, ``alignment`` (always ``"token"`` after un-rolling),
   ``source_alignment`` and ``window``. :func:`read_metadata` reads them back.
 
-Importing this module pulls in torch and pyarrow but no CLI code (typer, rich).
+Importing this module pulls in torch and pyarrow but no CLI code (typer, rich); the Parquet side of the writer
+(:class:`~grpo_cli.io.part_writer.PartWriter`, :func:`fast_write_options`, :func:`read_metadata`) is torch-free.
 
 Example:
     >>> import tempfile, torch
@@ -46,22 +47,30 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
-from grpo_cli import __version__
 from grpo_cli.core.packing import cu_seqlens_from_lengths
 from grpo_cli.io._writer_inputs import _float_numpy, _int_numpy, _Layout, _mask_numpy
 from grpo_cli.io.align import unroll_next_token
 from grpo_cli.io.parquet_file import ColumnRewriter, ParquetFileOut
-from grpo_cli.io.schema import COLUMNS, SCHEMA_VERSION, ColumnKind
+from grpo_cli.io.part_writer import (
+    ALIGNMENTS,
+    METADATA_PREFIX,
+    SEQUENCE_INPUTS,
+    TOKEN_INPUTS,
+    WINDOWS,
+    PartWriter,
+    _alignments,
+    _list_array,
+    fast_write_options,
+    read_metadata,
+)
+from grpo_cli.io.schema import COLUMNS, ColumnKind
 
 __all__ = [
     "ALIGNMENTS",
@@ -76,69 +85,10 @@ __all__ = [
     "read_metadata",
 ]
 
-ALIGNMENTS = ("token", "next_token")
-WINDOWS = ("full", "response")
-METADATA_PREFIX = "grpo_cli."
-#: Per-token inputs of :meth:`RolloutWriter.add` (``advantages`` may also be per sequence).
-_TOKEN_KINDS = (ColumnKind.TOKEN_FLOAT, ColumnKind.TOKEN_MASK, ColumnKind.TOKEN_INT, ColumnKind.SEQUENCE_OR_TOKEN_FLOAT)
-TOKEN_INPUTS = tuple(name for name, spec in COLUMNS.items() if spec.kind in _TOKEN_KINDS)
-#: Per-sequence inputs of :meth:`RolloutWriter.add` (``step`` is its own argument).
-SEQUENCE_INPUTS = tuple(name for name, spec in COLUMNS.items() if spec.kind not in _TOKEN_KINDS and name != "step")
-_RESERVED_METADATA = ("schema_version", "writer", "rank", "step", "alignment", "source_alignment", "window")
 _INT32 = torch.iinfo(torch.int32)
 
 
-def _list_type(value_type: pa.DataType) -> pa.DataType:
-    return pa.list_(pa.field("element", value_type, nullable=False))
-
-
-def fast_write_options(schema: pa.Schema) -> dict[str, Any]:
-    """``pq.ParquetWriter`` keywords for fast reading (``ecosystem.md`` §1.3–1.5).
-
-    Floats: BYTE_STREAM_SPLIT + zstd and no dictionary (log-probs are nearly all distinct, a dictionary only adds
-    a fallback); integers: dictionary (versions and ids repeat); booleans: plain bit-packing. Fields should be
-    declared non-nullable, which shrinks the definition levels the reader decodes.
-    """
-    dictionary: list[str] = []
-    encoding: dict[str, str] = {}
-    for field in schema:
-        is_list = pa.types.is_list(field.type) or pa.types.is_large_list(field.type)
-        leaf_type = field.type.value_type if is_list else field.type
-        leaf = f"{field.name}.list.element" if is_list else field.name
-        if pa.types.is_floating(leaf_type) and not pa.types.is_float16(leaf_type):
-            encoding[leaf] = "BYTE_STREAM_SPLIT"
-        elif pa.types.is_integer(leaf_type):
-            dictionary.append(leaf)
-    return {
-        "compression": "zstd",
-        "use_dictionary": dictionary,
-        "column_encoding": encoding or None,
-        "write_statistics": False,
-        "write_page_checksum": True,  # the reader verifies page CRCs: corruption becomes an error, not numbers
-    }
-
-
-def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The ``grpo_cli.*`` key-value metadata of a Parquet file, JSON-decoded, without the prefix.
-
-    Example:
-        >>> read_metadata("dumps/run1/part-step000000-rank000.parquet")["framework"]  # doctest: +SKIP
-        'verl'
-    """
-    raw = pq.read_schema(path).metadata or {}
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        name = key.decode("utf-8", "replace")
-        if name.startswith(METADATA_PREFIX):
-            text = value.decode("utf-8", "replace")
-            try:
-                out[name[len(METADATA_PREFIX):]] = json.loads(text)
-            except json.JSONDecodeError:
-                out[name[len(METADATA_PREFIX):]] = text
-    return out
-
-
-class RolloutWriter:
+class RolloutWriter(PartWriter):
     """Writes schema-v1 rank-local part files from a trainer (see the module docstring).
 
     Args:
@@ -167,48 +117,14 @@ class RolloutWriter:
         fsync: bool = True,
         dedupe: bool = False,
     ) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
-        if isinstance(row_group_tokens, bool) or not isinstance(row_group_tokens, int) or row_group_tokens < 1:
-            raise ValueError(f"row_group_tokens must be an integer >= 1, got {row_group_tokens!r}")
-        self.directory = Path(directory)
-        self.rank = rank
-        self.row_group_tokens = row_group_tokens
-        self.fsync = fsync
+        super().__init__(directory, rank=rank, metadata=metadata, row_group_tokens=row_group_tokens, fsync=fsync)
         self.dedupe = dedupe
         self._dedupe_step: int | None = None
         self._dedupe_seen: set[int] = set()
-        self._user_metadata: dict[str, str] = {}
-        for key, value in dict(metadata or {}).items():
-            if not isinstance(key, str) or not key:
-                raise ValueError(f"metadata keys must be non-empty strings, got {key!r}")
-            if key in _RESERVED_METADATA:
-                raise ValueError(f"metadata key '{key}' is set by the writer")
-            try:
-                self._user_metadata[key] = json.dumps(value)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"metadata['{key}'] is not JSON-serialisable ({exc})") from None
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.files: list[Path] = []  # finished part files, in order
-        self._schema: pa.Schema | None = None
-        self._conventions: tuple[str, str] | None = None  # (source_alignment JSON, window)
-        self._step: int | None = None
-        self._seen_steps: dict[int, int] = {}
-        self._out: ParquetFileOut | None = None
-        self._tmp: Path | None = None
-        self._final: Path | None = None
-        self._buffer: list[pa.RecordBatch] = []
-        self._buffered_tokens = 0
-        self._closed = False
 
     # -- context manager ------------------------------------------------------------------------------------------
     def __enter__(self) -> RolloutWriter:
         return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     # -- public API -----------------------------------------------------------------------------------------------
     def add(
@@ -366,143 +282,6 @@ class RolloutWriter:
         if step == self._dedupe_step:
             self._dedupe_seen.update(seq_id.tolist())
 
-    def flush(self) -> None:
-        """Finish the current step's part file now (it is renamed into place and readable)."""
-        self._finish()
-
-    def close(self) -> None:
-        """Finish the last part file. Idempotent."""
-        if self._closed:
-            return
-        try:
-            self._finish()
-        finally:
-            self._closed = True
-
-    # -- internals ------------------------------------------------------------------------------------------------
-    def _record_batch(self, columns: dict[str, pa.Array], conventions: tuple[str, str]) -> pa.RecordBatch:
-        names = [name for name in COLUMNS if name in columns]
-        if self._schema is None:
-            fields = [pa.field(name, columns[name].type, nullable=False) for name in names]
-            self._schema = pa.schema(fields)
-            self._conventions = conventions
-        schema = self._schema
-        if names != schema.names:
-            raise ValueError(
-                f"columns {names} differ from this writer's earlier calls {schema.names} "
-                "(every part file of a dump needs the same columns)"
-            )
-        if conventions != self._conventions:
-            raise ValueError(
-                f"alignment/window {conventions} differ from this writer's earlier calls {self._conventions}"
-            )
-        arrays = []
-        for field in schema:
-            array = columns[field.name]
-            if array.type != field.type:
-                if _kind(array.type) != _kind(field.type):
-                    raise ValueError(
-                        f"{field.name}: {array.type} differs from this writer's earlier calls ({field.type}); "
-                        "e.g. advantages must be per token in every call or per sequence in every call"
-                    )
-                array = array.cast(field.type)
-            arrays.append(array)
-        return pa.RecordBatch.from_arrays(arrays, schema=schema)
-
-    def _metadata(self, step: int) -> dict[str, str]:
-        assert self._conventions is not None
-        meta = {f"{METADATA_PREFIX}{k}": v for k, v in self._user_metadata.items()}
-        source_alignment, window = self._conventions
-        meta.update({
-            f"{METADATA_PREFIX}schema_version": json.dumps(SCHEMA_VERSION),
-            f"{METADATA_PREFIX}writer": json.dumps(f"grpo-cli {__version__}"),
-            f"{METADATA_PREFIX}rank": json.dumps(self.rank),
-            f"{METADATA_PREFIX}step": json.dumps(step),
-            f"{METADATA_PREFIX}alignment": json.dumps("token"),
-            f"{METADATA_PREFIX}source_alignment": source_alignment,
-            f"{METADATA_PREFIX}window": json.dumps(window),
-        })
-        return meta
-
-    def _append(self, step: int, batch: pa.RecordBatch, n_tokens: int) -> None:
-        if self._step is not None and step != self._step:
-            self._finish()
-        if self._step is None:
-            self._start(step)
-        self._buffer.append(batch)
-        self._buffered_tokens += n_tokens
-        if self._buffered_tokens >= self.row_group_tokens:
-            self._write_row_group()
-
-    def _start(self, step: int) -> None:
-        visits = self._seen_steps.get(step, 0)
-        self._seen_steps[step] = visits + 1
-        suffix = f"-{visits}" if visits else ""
-        name = f"part-step{step:06d}-rank{self.rank:03d}{suffix}.parquet"
-        self._step = step
-        self._final = self.directory / name
-        # Hidden and not ending in .parquet, so a concurrent reader's directory scan never picks it up.
-        self._tmp = self.directory / f".{name}.{os.getpid()}.tmp"
-
-    def _write_row_group(self) -> None:
-        if not self._buffer:
-            return
-        assert self._schema is not None and self._tmp is not None and self._step is not None
-        table = pa.Table.from_batches(self._buffer, schema=self._schema)
-        try:
-            if self._out is None:
-                schema = self._schema.with_metadata(self._metadata(self._step))
-                assert self._final is not None
-                self._out = ParquetFileOut(self._final, schema=schema, tmp=self._tmp, fsync=self.fsync,
-                                           **fast_write_options(schema))
-            self._out.write(table, row_group_size=max(table.num_rows, 1))
-        except BaseException:
-            self._abort()
-            raise
-        self._buffer.clear()
-        self._buffered_tokens = 0
-
-    def _finish(self) -> None:
-        if self._step is None:
-            return
-        try:
-            self._write_row_group()
-            if self._out is not None:
-                path = self._out.commit()
-                self._out = None
-                assert path is not None
-                self.files.append(path)
-        except BaseException:
-            self._abort()
-            raise
-        finally:
-            self._step = None
-            self._tmp = self._final = None
-
-    def _abort(self) -> None:
-        """Drop the unfinished part file (nothing half-written is ever renamed into place)."""
-        if self._out is not None:
-            self._out.abort()
-            self._out = None
-        if self._tmp is not None:
-            self._tmp.unlink(missing_ok=True)
-        self._buffer.clear()
-        self._buffered_tokens = 0
-        self._step = None
-        self._tmp = self._final = None
-
-
-def _list_array(offsets: pa.Array, flat: pa.Array) -> pa.Array:
-    if pa.types.is_int64(offsets.type):
-        return pa.LargeListArray.from_arrays(offsets, flat, type=pa.large_list(pa.field("element", flat.type, False)))
-    return pa.ListArray.from_arrays(offsets, flat, type=_list_type(flat.type))
-
-
-def _kind(dtype: pa.DataType) -> str:
-    is_list = pa.types.is_list(dtype) or pa.types.is_large_list(dtype)
-    inner = dtype.value_type if is_list else dtype
-    kind = "float" if pa.types.is_floating(inner) else "int" if pa.types.is_integer(inner) else str(inner)
-    return f"list<{kind}>" if is_list else kind
 
 
 def _as_step(step: Any) -> int:
@@ -515,23 +294,3 @@ def _as_step(step: Any) -> int:
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     return step
-
-
-def _alignments(alignment: str, column_alignment: Mapping[str, str] | None, window: str) -> dict[str, str]:
-    if alignment not in ALIGNMENTS:
-        raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
-    if window not in WINDOWS:
-        raise ValueError(f"window must be one of {WINDOWS}, got {window!r}")
-    out = dict.fromkeys(TOKEN_INPUTS, alignment)
-    for name, value in dict(column_alignment or {}).items():
-        if name not in TOKEN_INPUTS:
-            raise ValueError(f"column_alignment: '{name}' is not a per-token input ({', '.join(TOKEN_INPUTS)})")
-        if value not in ALIGNMENTS:
-            raise ValueError(f"column_alignment['{name}'] must be one of {ALIGNMENTS}, got {value!r}")
-        out[name] = value
-    if window == "response" and "next_token" in out.values():
-        raise ValueError(
-            "next_token alignment needs window='full': in a response-only window the value of the first response "
-            "token sits at the last prompt position, outside the window"
-        )
-    return out
