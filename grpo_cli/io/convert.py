@@ -26,7 +26,7 @@ reconstruction helpers; anything else in the pickle (a class, a function) is ref
 validation; under ``--on-invalid error``, the default, an invalid value removes what was written and exits 2; under
 ``skip`` the data is kept and the offenders are counted in a note).
 
-How slime's keys map (``dumps.md`` §5, §9): ``log_probs`` (the actor's recompute with the pre-update weights, i.e.
+How slime's keys map (``docs/recipes/slime.md``): ``log_probs`` (the actor's recompute with the pre-update weights, i.e.
 the weights of the step's first training forward) → ``new_logp``; the per-update new log-prob is never dumped, and
 a second copy as ``prox_logp`` would make every ratio 1, so ``prox_logp`` stays absent. ``rollout_log_probs`` →
 ``old_logp``, ``ref_log_probs`` → ``ref_logp``, ``entropy`` → ``entropy``, ``loss_masks`` → ``loss_mask``,

@@ -51,7 +51,7 @@ def _list_type(value_type: pa.DataType) -> pa.DataType:
 
 
 def fast_write_options(schema: pa.Schema) -> dict[str, Any]:
-    """``pq.ParquetWriter`` keywords for fast reading (``ecosystem.md`` §1.3–1.5).
+    """``pq.ParquetWriter`` keywords for fast reading (docs/performance.md).
 
     Floats: BYTE_STREAM_SPLIT + zstd and no dictionary (log-probs are nearly all distinct, a dictionary only adds
     a fallback); integers: dictionary (versions and ids repeat); booleans: plain bit-packing. Fields should be

@@ -2,7 +2,7 @@
 
 A preset is for a Parquet dump whose columns carry a framework's names (``rollout_log_probs``, ``old_log_probs``,
 ``response_mask``, …) and keep that framework's conventions, e.g. a verl user who wrote the step batch's tensors
-as they are. It does two things (``dumps.md`` §8–9):
+as they are. It does two things (``docs/recipes/``):
 
 * **Renames**: schema column ← the first of the preset's candidate names that the file has (``--map`` wins over
   the preset; a column none of whose names is present falls back to its schema name, else stays absent). Where a

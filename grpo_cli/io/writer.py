@@ -20,7 +20,7 @@ and ``writer.close()`` at the end (or use it as a context manager). What it does
   override handles exceptions such as AReaL's ``versions``, which stay token-aligned. The first token of every
   sequence then has no value: it is masked in the stored ``loss_mask`` (written even when you passed none).
 * **Several forwards per sequence** (PPO epochs): ``RolloutWriter(..., dedupe=True)`` keeps only the first ``add``
-  of each ``seq_id`` within a step, so ``new_logp`` is each sequence's first training forward (``dumps.md`` §8.6).
+  of each ``seq_id`` within a step, so ``new_logp`` is each sequence's first training forward.
 * **Files**: one rank-local part file per step, ``part-step{step:06d}-rank{rank:03d}.parquet`` (a step seen again
   after another step gets ``-1``, ``-2``, … before ``.parquet``), written to a hidden temporary file and renamed
   into place when the step is complete, so a reader never sees half a file. Several ``add`` calls of one step go
@@ -101,7 +101,7 @@ class RolloutWriter(PartWriter):
         fsync: flush each finished part file to disk before renaming it into place.
         dedupe: keep only the first ``add`` of each ``seq_id`` within a step and drop later ones. With several
             PPO epochs (or mini-batch passes) a loss hook sees each sequence more than once; with ``dedupe`` the
-            dump's ``new_logp`` is each sequence's *first* training forward (``dumps.md`` §8.6). Needs ``seq_id``.
+            dump's ``new_logp`` is each sequence's *first* training forward. Needs ``seq_id``.
 
     Raises:
         ValueError: a bad rank, metadata that is not JSON-serialisable, or a reserved metadata key.
