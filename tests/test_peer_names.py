@@ -151,6 +151,54 @@ def test_trl_figures(capsys, dump, level):
     check(metrics, trl_sampling_metrics(prox, old, mask)[1], "sampling/")
 
 
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("clip", [("3.0", None), ("1.05", "0.95")])
+def test_trl_vllm_importance_sampling_modes(capsys, dump, mode, clip):
+    path, seqs = dump
+    clip_max, clip_min = clip
+    args = ["--vllm-is-mode", mode, "--vllm-is-clip-max", clip_max]
+    args += ["--vllm-is-clip-min", clip_min] if clip_min else []
+    doc = run_json(capsys, "analyze", path, "--names", "trl", *args)
+    old, prox, mask = (padded(seqs, a) for a in ("old", "prox", "mask"))
+    _, expected = trl_sampling_metrics(prox, old, mask, mode=mode, clip_max=float(clip_max),
+                                       clip_min=None if clip_min is None else float(clip_min))
+    check(doc["metrics"], expected, "sampling/")
+    assert doc["config"]["vllm_is_mode"] == mode and doc["config"]["vllm_is_clip_max"] == float(clip_max)
+    small = run_json(capsys, "analyze", path, "--names", "trl", *args, "--batch-tokens", "7")["metrics"]
+    for key in expected:
+        assert small["sampling/" + key] == pytest.approx(doc["metrics"]["sampling/" + key], rel=1e-9, abs=1e-12)
+
+
+def test_trl_vllm_importance_sampling_by_hand(capsys, tmp_path):
+    # prox − old = [ln 2, ln 2] and [ln 0.5]: token ratios [2, 2, 0.5], sequence ratios [4, 0.5].
+    # C_max = 3, C_min = 0.6: token_truncate [2, 2, 0.6], token_mask [2, 2, 0], sequence_truncate [3, 0.6],
+    # sequence_mask [0, 0].
+    seqs = []
+    for i, diffs in enumerate(([math.log(2.0)] * 2, [math.log(0.5)])):
+        seq = random_sequences(1, seed=i)[0]
+        old = [-1.0] * len(diffs)
+        seqs.append(dataclasses.replace(seq, new=old, old=old, prox=[o + d for o, d in zip(old, diffs)],
+                                        ref=old, entropy=[0.5] * len(diffs), mask=[1] * len(diffs),
+                                        versions=[1] * len(diffs)))
+    path = tmp_path / "is.parquet"
+    write_sequences(str(path), seqs)
+    expected = {"token_truncate": (0.6, 4.6 / 3, 2.0), "token_mask": (0.0, 4.0 / 3, 2.0),
+                "sequence_truncate": (0.6, 1.8, 3.0), "sequence_mask": (0.0, 0.0, 0.0)}
+    for mode, (lo, mean, hi) in expected.items():
+        metrics = run_json(capsys, "analyze", path, "--names", "trl", "--vllm-is-mode", mode,
+                           "--vllm-is-clip-min", "0.6")["metrics"]
+        got = [metrics[f"sampling/importance_sampling_ratio/{s}"] for s in ("min", "mean", "max")]
+        assert got == pytest.approx([lo, mean, hi], rel=1e-6), mode
+
+
+@pytest.mark.parametrize("args", [["--vllm-is-mode", "bogus"], ["--vllm-is-clip-max", "0"],
+                                  ["--vllm-is-clip-min", "3", "--vllm-is-clip-max", "3"]])
+def test_trl_vllm_importance_sampling_bad_options(capsys, dump, args):
+    path, _ = dump
+    assert main(["analyze", str(path), "-q", "--names", "trl", *args]) == 2
+    assert "--vllm-is" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------------------------
 # AReaL
 # ------------------------------------------------------------------------------------------------------------

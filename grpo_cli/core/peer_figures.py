@@ -26,6 +26,7 @@ import math
 import torch
 from torch import Tensor
 
+from grpo_cli._choices import TRL_VLLM_IS_MODES, VERL_RS_OPTIONS
 from grpo_cli.core._loss_common import (
     as_bool_mask,
     check_real,
@@ -38,6 +39,7 @@ from grpo_cli.core.ppo import ppo_actor_loss
 from grpo_cli.core.rejection import RejectionSamplingConfig
 
 __all__ = [
+    "VERL_RS_OPTIONS",
     "VERL_SAFETY_BOUND",
     "areal_actor_stats",
     "areal_kl_div_stats",
@@ -48,11 +50,14 @@ __all__ = [
     "trl_logged_kl",
     "trl_sampling_metrics",
     "verl_data_metrics",
+    "verl_is_threshold",
     "verl_kl_penalty",
     "verl_offpolicy_metrics",
     "verl_policy_loss",
     "verl_rollout_is",
     "verl_rollout_rs",
+    "verl_rs_options",
+    "verl_rs_thresholds",
 ]
 
 VERL_SAFETY_BOUND = 20.0
@@ -324,17 +329,66 @@ def verl_rollout_is(
     return weights.detach(), out
 
 
-VERL_RS_OPTIONS: tuple[str, ...] = (
-    "token_k1", "token_k2", "token_k3",
-    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
-    "seq_max_k2", "seq_max_k3",
-)  # fmt: skip
-"""verl's ``rollout_rs`` options (``SUPPORTED_ROLLOUT_RS_OPTIONS``)."""
+def verl_is_threshold(spec: str | float) -> tuple[float, float | None]:
+    """verl's ``rollout_is_threshold``: ``(upper, lower)`` from a number or ``"u"`` (TIS: truncate at ``u``,
+    ``lower`` None) or ``"l_u"`` (IcePop: weights outside ``[l, u]`` become 0).
+
+    Raises:
+        ValueError: not a positive number, or ``l > u`` (``rollout_corr_helper._parse_rollout_is_threshold``).
+
+    Example:
+        >>> verl_is_threshold("0.5_5"), verl_is_threshold(2)
+        ((5.0, 0.5), (2.0, None))
+    """
+    if isinstance(spec, bool) or not isinstance(spec, (str, int, float)):
+        raise TypeError("rollout_is_threshold must be a number or a string")
+    text = str(spec).strip()
+    try:
+        lo_s, hi_s = text.split("_", 1) if "_" in text else (None, text)
+        upper, lower = float(hi_s), None if lo_s is None else float(lo_s)
+    except ValueError as exc:
+        raise ValueError(f"Invalid rollout_is_threshold {spec!r}: a number or 'lower_upper'") from exc
+    if not (math.isfinite(upper) and upper > 0):
+        raise ValueError(f"rollout_is_threshold upper bound must be positive, got {upper}")
+    if lower is not None and not (math.isfinite(lower) and 0 < lower <= upper):
+        raise ValueError(f"rollout_is_threshold lower bound must be in (0, upper], got {lower}")
+    return upper, lower
 
 
-def _rs_thresholds(options: list[str], spec: str | float) -> dict[str, tuple[float | None, float]]:
-    """``{option: (lower, upper)}`` from verl's ``rollout_rs_threshold`` (one entry, or one per option)."""
+def verl_rs_options(rollout_rs: str) -> list[str]:
+    """verl's ``rollout_rs``: the comma-separated options in order, duplicates dropped.
+
+    Raises:
+        ValueError: an unknown option or none (``compute_rollout_rejection_mask``).
+
+    Example:
+        >>> verl_rs_options("token_k1, seq_mean_k3,token_k1")
+        ['token_k1', 'seq_mean_k3']
+    """
+    options: list[str] = []
+    for opt in (o.strip() for o in str(rollout_rs).split(",")):
+        if not opt:
+            continue
+        if opt not in VERL_RS_OPTIONS:
+            raise ValueError(f"Invalid rollout_rs option: {opt}. Must be one of {sorted(VERL_RS_OPTIONS)}.")
+        if opt not in options:
+            options.append(opt)
+    if not options:
+        raise ValueError("rollout_rs must contain at least one valid option.")
+    return options
+
+
+def verl_rs_thresholds(options: list[str], spec: str | float) -> dict[str, tuple[float | None, float]]:
+    """``{option: (lower, upper)}`` from verl's ``rollout_rs_threshold`` (one entry, or one per option; a k1
+    option takes ``"lower_upper"`` or ``u`` meaning ``1/u_u``, the others one upper bound).
+
+    Raises:
+        ValueError: a count that matches neither, a bound that is not positive, ``lower > upper``.
+
+    Example:
+        >>> verl_rs_thresholds(["token_k1", "seq_mean_k3"], "0.5_2,0.1")
+        {'token_k1': (0.5, 2.0), 'seq_mean_k3': (None, 0.1)}
+    """
     if isinstance(spec, bool) or not isinstance(spec, (str, int, float)):
         raise TypeError("rollout_rs_threshold must be a string or a number")
     parts = [str(spec)] if not isinstance(spec, str) else [p.strip() for p in spec.split(",") if p.strip()]
@@ -401,17 +455,8 @@ def verl_rollout_rs(
         >>> m.tolist(), round(f["rollout_rs_token_k1_masked_fraction"], 4)  # π_roll/π_old = 1/4 < 0.5
         ([[True, False, True]], 0.3333)
     """
-    options: list[str] = []
-    for opt in (o.strip() for o in str(rollout_rs).split(",")):
-        if not opt:
-            continue
-        if opt not in VERL_RS_OPTIONS:
-            raise ValueError(f"Invalid rollout_rs option: {opt}. Must be one of {sorted(VERL_RS_OPTIONS)}.")
-        if opt not in options:
-            options.append(opt)
-    if not options:
-        raise ValueError("rollout_rs must contain at least one valid option.")
-    bounds = _rs_thresholds(options, rollout_rs_threshold)
+    options = verl_rs_options(rollout_rs)
+    bounds = verl_rs_thresholds(options, rollout_rs_threshold)
     m, cd = _prepare(old_log_prob, response_mask, rollout_log_prob=rollout_log_prob)
     if not bool(m.any()):
         raise ValueError("response_mask must contain at least one valid token (1).")
@@ -709,7 +754,7 @@ def trl_cispo_clip_ratio(
     return _masked_mean(clipped, m)
 
 
-_TRL_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+_TRL_IS_MODES = TRL_VLLM_IS_MODES
 
 
 def trl_sampling_metrics(

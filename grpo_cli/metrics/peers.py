@@ -306,8 +306,21 @@ _TRL_CLIP = {
     "low_min": "smallest per-sequence low-clip fraction (sequences without a valid token skipped)",
     "high_max": "largest per-sequence high-clip fraction",
 }
-_TRL_IS_CLIP_MAX = 3.0
-"""TRL 1.16 ``GRPOConfig.vllm_importance_sampling_cap`` default (``vllm_importance_sampling_mode="sequence_mask"``)."""
+
+
+def _trl_is_ratio(delta: Tensor, cu: Tensor, config: AnalyzeConfig) -> Tensor:
+    """TRL's vLLM importance-sampling ratio of one batch (``_generate_and_score_completions``): per sequence
+    exp(Σ Δ) (every sequence, an empty one exp(0) = 1) for the ``sequence_*`` modes, per valid token exp(Δ) for the
+    ``token_*`` modes; ``*_truncate`` clamps to [C_min, C_max], ``*_mask`` sets ratios outside to 0.
+    ``delta`` = prox − old per valid token (NaN already 0)."""
+    mode, lo, hi = config.vllm_is_mode, config.vllm_is_clip_min, config.vllm_is_clip_max
+    ratio = torch.exp(segment_sum(delta, cu, _F64) if mode.startswith("sequence") else delta)
+    if mode.endswith("truncate"):
+        return ratio.clamp(min=lo, max=hi)
+    outside = ratio > hi
+    if lo is not None:
+        outside |= ratio < lo
+    return ratio.masked_fill(outside, 0.0)
 
 
 def _trl_figures() -> tuple[Figure, ...]:
@@ -320,6 +333,9 @@ def _trl_figures() -> tuple[Figure, ...]:
     out.append(Figure("trl/kl", "token mean of k3(ref vs new)·r (TRL use_bias_correction_kl, its default; r = 1 "
                       "without old_logp or prox_logp, TRL's on-policy shortcut)", section="trl", needs=(REF,),
                       enabled=enabled, peers={"trl": "kl"}))
+    out.append(Figure("trl/entropy", "token mean of the entropy column (TRL's global_masked_mean; with the "
+                      "micro_batch column per micro-batch, then the plain mean over micro-batches)", section="trl",
+                      needs=(column("entropy"),), enabled=enabled, peers={"trl": "entropy"}))
     out.append(Figure("trl/sampling/sampling_logp_difference/mean", "mean |prox − old| (TRL's recomputed "
                       "old_per_token_logps vs vLLM's sampling log-probs)", section="trl", needs=(DECOUPLED,),
                       enabled=enabled, peers={"trl": "sampling/sampling_logp_difference/mean"}))
@@ -330,7 +346,8 @@ def _trl_figures() -> tuple[Figure, ...]:
                       needs=(column("rewards"),), enabled=enabled, peers={"trl": "reward_std"}))
     for stat in ("min", "mean", "max"):
         out.append(Figure(f"trl/sampling/importance_sampling_ratio/{stat}",
-                          f"{stat} over sequences of exp(Σ (prox − old)), 0 where above 3 (sequence_mask, cap 3)",
+                          f"{stat} of TRL's vLLM IS ratio exp(prox − old) per --vllm-is-mode: over sequences "
+                          "(sequence_*) or tokens (token_*), clamped (*_truncate) or 0 outside [C_min, C_max] (*_mask)",
                           section="trl", needs=(DECOUPLED,), enabled=enabled,
                           peers={"trl": f"sampling/importance_sampling_ratio/{stat}"}))
     return tuple(out)
@@ -345,18 +362,19 @@ def _row_first(values: Tensor, cu: Tensor) -> Tensor:
     return torch.where(lengths > 0, first, torch.zeros_like(first))
 
 
-_TRL_MB = ("n", "low", "high", "cispo", "kl", "n_kl", "low_min", "high_max")
+_TRL_MB = ("n", "low", "high", "cispo", "kl", "n_kl", "low_min", "high_max", "ent", "n_ent")
 """Columns of the per-(step, micro_batch) table ``mb`` of :class:`TrlPeerGroup` (after the key column)."""
-_TRL_MB_OPS = (Reduce.SUM,) * 6 + (Reduce.MIN, Reduce.MAX)
+_TRL_MB_OPS = (Reduce.SUM,) * 6 + (Reduce.MIN, Reduce.MAX) + (Reduce.SUM,) * 2
 _MB_SHIFT = 2.0**32  # key = step · 2^32 + micro_batch, exact in float64 for step < 2^21
 
 
-def _trl_mb_rows(valid: TokenBatch, clip: dict[str, Tensor] | None, kl: tuple[Tensor, Tensor] | None) -> Tensor:
+def _trl_mb_rows(valid: TokenBatch, clip: dict[str, Tensor] | None, kl: tuple[Tensor, Tensor] | None,
+                 ent: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """One table row per sequence, keyed by (step, micro_batch); :class:`KeyedState` sums rows of one key.
 
-    ``n``, ``low``, ``high``, ``cispo`` and ``n_kl`` are integer counts (exact float64 sums); ``kl`` is a float64
-    sum. Sequences without a valid token still add their key, so a fully masked micro-batch is a row with
-    ``n = 0``: TRL logs 0 for it (``global_masked_mean`` divides by ``count.clamp(min=1)``).
+    ``n``, ``low``, ``high``, ``cispo``, ``n_kl`` and ``n_ent`` are integer counts (exact float64 sums); ``kl``
+    and ``ent`` are float64 sums. Sequences without a valid token still add their key, so a fully masked
+    micro-batch is a row with ``n = 0``: TRL logs 0 for it (``global_masked_mean`` divides by ``count.clamp(min=1)``).
     """
     assert valid.micro_batch is not None
     mb = valid.micro_batch.to(valid.device, torch.int64)
@@ -373,10 +391,12 @@ def _trl_mb_rows(valid: TokenBatch, clip: dict[str, Tensor] | None, kl: tuple[Te
         rows[:, 7], rows[:, 8] = clip["low_min"], clip["high_max"]
     if kl is not None:
         rows[:, 5], rows[:, 6] = kl
+    if ent is not None:
+        rows[:, 9], rows[:, 10] = ent
     return rows
 
 
-def _trl_mb_compute(table: Tensor, *, clip: bool, kl: bool) -> dict[str, float]:
+def _trl_mb_compute(table: Tensor, *, clip: bool, kl: bool, entropy: bool = False) -> dict[str, float]:
     """TRL's per-micro-batch averaging: each micro-batch's value as ``GRPOTrainer._compute_loss`` computes it
     (``global_masked_mean``: Σ / max(count, 1); ``clip_ratio/low_min|high_max``: ``nanmin``/``nanmax`` of the
     per-sequence means, NaN for a micro-batch without a valid token), then ``GRPOTrainer.log``'s plain mean over
@@ -395,6 +415,8 @@ def _trl_mb_compute(table: Tensor, *, clip: bool, kl: bool) -> dict[str, float]:
                 out[key] = float(col[name][finite].mean())
     if kl:
         out["trl/kl"] = float((col["kl"] / col["n_kl"].clamp(min=1.0)).mean())
+    if entropy:
+        out["trl/entropy"] = float((col["ent"] / col["n_ent"].clamp(min=1.0)).mean())
     return out
 
 
@@ -413,13 +435,14 @@ class TrlPeerGroup(MetricGroup):
 
     def columns(self) -> frozenset[str]:
         return frozenset({"new_logp", "old_logp", "prox_logp", "ref_logp", "advantages", "step", "micro_batch",
-                          "rewards"})
+                          "rewards", "entropy"})
 
     def init_state(self, config: AnalyzeConfig, device: torch.device | str) -> MetricState:
         if config.peer() != "trl":
             return MetricState({}, device)
         specs: dict[str, StateSpec] = {k: count() for k in ("n", "low", "high", "cispo", "n_is")}
         specs.update({k: total() for k in ("kl", "d_sum", "is_sum")})
+        specs.update(ent=total(), n_ent=count())
         specs.update(n_kl=count(), n_d=count(), low_min=minimum(), high_max=maximum(), d_max=maximum(),
                      is_min=minimum(), is_max=maximum(), r_n=count(), r_sum=total(), r_sq=total())
         # One row per (step, micro_batch) when the dump has the micro_batch column (see _TRL_MB).
@@ -447,8 +470,13 @@ class TrlPeerGroup(MetricGroup):
             k3 = torch.expm1(y) - y
             state.update(kl=(k3 * coef_tokens).sum(), n_kl=torch.tensor(y.numel()))
             kl_rows = (segment_sum(k3 * coef_tokens, cu, _F64), lengths.to(_F64))
+        ent_rows: tuple[Tensor, Tensor] | None = None  # per-sequence Σ entropy and token counts
+        if valid.entropy is not None:
+            e = _f64(valid.entropy)
+            state.update(ent=e.sum(), n_ent=torch.tensor(e.numel()))
+            ent_rows = (segment_sum(e, cu, _F64), lengths.to(_F64))
         if valid.micro_batch is not None:
-            state.update(mb=_trl_mb_rows(valid, rows, kl_rows))
+            state.update(mb=_trl_mb_rows(valid, rows, kl_rows, ent_rows))
         if valid.rewards is not None:
             r = _f64(valid.rewards)
             r = r[~torch.isnan(r)]
@@ -460,8 +488,7 @@ class TrlPeerGroup(MetricGroup):
             state.update(d_sum=d.sum(), n_d=torch.tensor(d.numel()))
             if d.numel():
                 state.update(d_max=d.max())
-            ratio = torch.exp(segment_sum(torch.nan_to_num(delta, nan=0.0), cu, _F64))
-            ratio = ratio.masked_fill(ratio > _TRL_IS_CLIP_MAX, 0.0)
+            ratio = _trl_is_ratio(torch.nan_to_num(delta, nan=0.0), cu, config)
             state.update(is_sum=ratio.sum(), n_is=torch.tensor(ratio.numel()))
             if ratio.numel():
                 state.update(is_min=ratio.min(), is_max=ratio.max())
@@ -512,9 +539,12 @@ class TrlPeerGroup(MetricGroup):
                         "trl/cispo_clip_ratio": int(state["cispo"]) / n})
         if int(state["n_kl"]):
             out["trl/kl"] = float(state["kl"]) / int(state["n_kl"])
+        if int(state["n_ent"]):
+            out["trl/entropy"] = float(state["ent"]) / int(state["n_ent"])
         table = state["mb"] if "mb" in state.values else None
         if table is not None and table.shape[0]:
-            out.update(_trl_mb_compute(table, clip=bool(n), kl=bool(int(state["n_kl"]))))
+            out.update(_trl_mb_compute(table, clip=bool(n), kl=bool(int(state["n_kl"])),
+                                       entropy=bool(int(state["n_ent"]))))
         m = int(state["r_n"])
         if m:  # torch.std (unbiased) as TRL's nanstd in _generate_and_score_completions; NaN for one reward
             mean = float(state["r_sum"]) / m
