@@ -34,7 +34,8 @@ _VERL_IS = {
     "rollout_is_min": "smallest w̃",
     "rollout_is_std": "std of w̃ (0 for one token)",
     "rollout_is_eff_sample_size": "1 / mean((w̃ / (mean w̃ + 1e-8))²)",
-    "rollout_is_ratio_fraction_high": "fraction of tokens with raw w > C (--is-threshold)",
+    "rollout_is_ratio_fraction_high": "fraction of tokens with raw w > C (--rollout-is-threshold, default "
+                                      "--is-threshold; of sequences under --rollout-is sequence)",
     "rollout_is_ratio_fraction_low": "fraction of tokens with raw w < 1/C",
     "rollout_is_seq_mean": "mean over sequences of the per-sequence mean w̃ (an empty sequence counts 0)",
     "rollout_is_seq_std": "unbiased std of the per-sequence mean w̃",
@@ -363,9 +364,12 @@ class VerlPeerGroup(MetricGroup):
     log-probs (our ``prox_logp``) against the rollout's (our ``old_logp``), ``actor/rollout_corr/*`` (bypass mode:
     the current policy, our ``new_logp``, against the rollout), the Pearson figure and ``critic/score/*``.
 
-    The importance weights are token level with verl's truncation (TIS) at C = ``--is-threshold``; verl 0.8 and
-    later take the statistics of the truncated weights (w = [4, 0.25, 1], C = 2: mean 1.083, max 2, ESS 0.695),
-    ``--convention verl<=0.7`` those of the raw weights (1.75, 4, 0.778).
+    The importance weights follow verl's ``rollout_is`` (``--rollout-is``, default token level) and
+    ``rollout_is_threshold`` (``--rollout-is-threshold``: truncation (TIS) at C, default ``--is-threshold``, or
+    IcePop ``L_U``); verl 0.8 and later take the statistics of the processed weights (w = [4, 0.25, 1], C = 2:
+    mean 1.083, max 2, ESS 0.695), ``--convention verl<=0.7`` those of the raw weights (1.75, 4, 0.778). With
+    ``--rollout-rs``/``--rollout-rs-threshold`` (verl's ``rollout_rs``) the rejection-sampling figures
+    ``rollout_rs_*`` are computed too. verl logs all of them per training batch (``--group-by step``).
     """
 
     name = "verl"
