@@ -18,6 +18,9 @@ __all__ = [
     "ON_INVALID",
     "PRESET_NAMES",
     "PROX_APPROX_METHODS",
+    "TRL_VLLM_IS_MODES",
+    "VERL_ROLLOUT_IS_LEVELS",
+    "VERL_RS_OPTIONS",
 ]
 
 DEFAULT_BATCH_TOKENS = 1 << 18
@@ -49,3 +52,18 @@ IMPORTANCE_LEVELS: tuple[str, ...] = ("token", "sequence")
 
 CONVERT_FORMATS: tuple[str, ...] = ("slime-train", "slime-rollout", "torch-dict", "jsonl")
 """``convert --from``: the dump formats the converters read."""
+
+TRL_VLLM_IS_MODES: tuple[str, ...] = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+"""TRL's ``GRPOConfig.vllm_importance_sampling_mode`` values (``--vllm-is-mode``; TRL 1.16's default
+``sequence_mask``)."""
+
+VERL_ROLLOUT_IS_LEVELS: tuple[str, ...] = ("token", "sequence")
+"""verl's ``RolloutCorrectionConfig.rollout_is`` levels (``--rollout-is``)."""
+
+VERL_RS_OPTIONS: tuple[str, ...] = (
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+)  # fmt: skip
+"""verl's ``rollout_rs`` options (``rollout_corr_helper.SUPPORTED_ROLLOUT_RS_OPTIONS``; ``--rollout-rs``)."""

@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+from grpo_cli._choices import VERL_RS_OPTIONS
 from grpo_cli.cli import main
 from grpo_cli.core.prox import PROX_APPROX_METHODS
 from grpo_cli.metrics.registry import KEYS
@@ -13,10 +14,18 @@ from grpo_cli.metrics.registry import KEYS
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 
 
+# `<m>` stands for each AReaL proximal approximation, `<o>` for each verl rollout_rs option, `<k1>` its k1 options.
+PLACEHOLDERS = {"<m>": PROX_APPROX_METHODS, "<o>": VERL_RS_OPTIONS,
+                "<k1>": tuple(o for o in VERL_RS_OPTIONS if o.endswith("k1"))}
+
+
 def _documented() -> set[str]:
     names: set[str] = set()
     for token in re.findall(r"`([^`\s]+)`", DOC.read_text(encoding="utf-8")):
-        names.update(token.replace("<m>", method) for method in PROX_APPROX_METHODS)
+        names.add(token)
+        for mark, values in PLACEHOLDERS.items():
+            if mark in token:
+                names.update(token.replace(mark, value) for value in values)
     return names
 
 

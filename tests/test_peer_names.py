@@ -25,6 +25,7 @@ from grpo_cli.core.peer_figures import (
     trl_sampling_metrics,
     verl_offpolicy_metrics,
     verl_rollout_is,
+    verl_rollout_rs,
 )
 from grpo_cli.metrics.config import AnalyzeConfig
 from grpo_cli.metrics.names import NAMES
@@ -122,6 +123,61 @@ def test_verl_older_release_against_the_peer_function(capsys, dump):
     check(metrics, verl_rollout_is(prox, old, mask, threshold=2.0, truncate=False)[1], "rollout_corr/")
 
 
+@pytest.mark.parametrize(("level", "is_threshold"), [("sequence", "2.0"), ("token", "0.5_2.0"), ("sequence", "0.5_5")])
+def test_verl_rollout_is_settings(capsys, dump, level, is_threshold):
+    path, seqs = dump
+    doc = run_json(capsys, "analyze", path, "--names", "verl", "--rollout-is", level, "--rollout-is-threshold",
+                   is_threshold)
+    new, old, prox, mask = (padded(seqs, a) for a in ("new", "old", "prox", "mask"))
+    upper, lower = (float(x) for x in is_threshold.split("_")[::-1]) if "_" in is_threshold else (
+        float(is_threshold), None)
+    for train, prefix in ((prox, "rollout_corr/"), (new, "actor/rollout_corr/")):
+        _, expected = verl_rollout_is(train, old, mask, level=level, threshold=upper, threshold_lower=lower)
+        check(doc["metrics"], expected, prefix)
+        assert ("rollout_is_oob_ratio" in expected) == (lower is not None)
+    assert doc["config"]["rollout_is"] == level and doc["config"]["rollout_is_threshold"] == is_threshold
+    small = run_json(capsys, "analyze", path, "--names", "verl", "--rollout-is", level, "--rollout-is-threshold",
+                     is_threshold, "--batch-tokens", "7")["metrics"]
+    for key in expected:
+        assert small["rollout_corr/" + key] == pytest.approx(doc["metrics"]["rollout_corr/" + key], rel=1e-9,
+                                                             abs=1e-12), key
+
+
+@pytest.mark.parametrize(("options", "threshold"), [("token_k1", "0.5_2.0"), ("seq_sum_k3,seq_max_k2", "2.0,0.5"),
+                                                    ("seq_mean_k1,token_k3", "0.9_1.1,0.3")])
+def test_verl_rollout_rs(capsys, dump, options, threshold):
+    path, seqs = dump
+    args = ["analyze", path, "--names", "verl", "--rollout-rs", options, "--rollout-rs-threshold", threshold]
+    doc = run_json(capsys, *args)
+    new, old, prox, mask = (padded(seqs, a) for a in ("new", "old", "prox", "mask"))
+    for train, prefix in ((prox, "rollout_corr/"), (new, "actor/rollout_corr/")):
+        _, expected = verl_rollout_rs(train, old, mask, options, threshold)
+        check(doc["metrics"], expected, prefix)
+        shown = {k for k in doc["metrics"] if k.startswith(prefix + "rollout_rs_")}
+        assert shown == {prefix + k for k in expected}  # only the chosen options' keys
+    assert doc["config"]["rollout_rs"] == options and "rollout_rs" not in run_json(capsys, "analyze", path)["config"]
+    small = run_json(capsys, *args, "--batch-tokens", "7")["metrics"]
+    for key in expected:
+        assert small["rollout_corr/" + key] == pytest.approx(doc["metrics"]["rollout_corr/" + key], rel=1e-9,
+                                                             abs=1e-12), key
+
+
+def test_verl_rollout_rs_needs_verl_names(capsys, dump):
+    path, _ = dump
+    metrics = run_json(capsys, "analyze", path, "--rollout-rs", "token_k1", "--rollout-rs-threshold", "2")["metrics"]
+    assert not [k for k in metrics if "rollout_rs" in k]
+
+
+@pytest.mark.parametrize("args", [["--rollout-rs", "token_k1"], ["--rollout-rs", "token_k4", "--rollout-rs-threshold",
+                                                                  "2"],
+                                  ["--rollout-rs", "token_k2", "--rollout-rs-threshold", "0.5_2"],
+                                  ["--rollout-is-threshold", "3_2"], ["--rollout-is", "row"]])
+def test_verl_rollout_settings_refused(capsys, dump, args):
+    path, _ = dump
+    assert main(["analyze", str(path), "-q", "--names", "verl", *args]) == 2
+    assert "--rollout-" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args", [["--convention", "verl<=0.7"], ["--names", "trl", "--convention", "verl<=0.7"],
                                   ["--names", "verl", "--convention", "verl<=0.1"]])
 def test_convention_needs_a_matching_peer(capsys, dump, args):
@@ -149,6 +205,54 @@ def test_trl_figures(capsys, dump, level):
     assert metrics["kl"] == pytest.approx(
         trl_logged_kl(new, prox, ref, mask, importance_sampling_level=level), **APPROX)
     check(metrics, trl_sampling_metrics(prox, old, mask)[1], "sampling/")
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("clip", [("3.0", None), ("1.05", "0.95")])
+def test_trl_vllm_importance_sampling_modes(capsys, dump, mode, clip):
+    path, seqs = dump
+    clip_max, clip_min = clip
+    args = ["--vllm-is-mode", mode, "--vllm-is-clip-max", clip_max]
+    args += ["--vllm-is-clip-min", clip_min] if clip_min else []
+    doc = run_json(capsys, "analyze", path, "--names", "trl", *args)
+    old, prox, mask = (padded(seqs, a) for a in ("old", "prox", "mask"))
+    _, expected = trl_sampling_metrics(prox, old, mask, mode=mode, clip_max=float(clip_max),
+                                       clip_min=None if clip_min is None else float(clip_min))
+    check(doc["metrics"], expected, "sampling/")
+    assert doc["config"]["vllm_is_mode"] == mode and doc["config"]["vllm_is_clip_max"] == float(clip_max)
+    small = run_json(capsys, "analyze", path, "--names", "trl", *args, "--batch-tokens", "7")["metrics"]
+    for key in expected:
+        assert small["sampling/" + key] == pytest.approx(doc["metrics"]["sampling/" + key], rel=1e-9, abs=1e-12)
+
+
+def test_trl_vllm_importance_sampling_by_hand(capsys, tmp_path):
+    # prox − old = [ln 2, ln 2] and [ln 0.5]: token ratios [2, 2, 0.5], sequence ratios [4, 0.5].
+    # C_max = 3, C_min = 0.6: token_truncate [2, 2, 0.6], token_mask [2, 2, 0], sequence_truncate [3, 0.6],
+    # sequence_mask [0, 0].
+    seqs = []
+    for i, diffs in enumerate(([math.log(2.0)] * 2, [math.log(0.5)])):
+        seq = random_sequences(1, seed=i)[0]
+        old = [-1.0] * len(diffs)
+        seqs.append(dataclasses.replace(seq, new=old, old=old, prox=[o + d for o, d in zip(old, diffs)],
+                                        ref=old, entropy=[0.5] * len(diffs), mask=[1] * len(diffs),
+                                        versions=[1] * len(diffs)))
+    path = tmp_path / "is.parquet"
+    write_sequences(str(path), seqs)
+    expected = {"token_truncate": (0.6, 4.6 / 3, 2.0), "token_mask": (0.0, 4.0 / 3, 2.0),
+                "sequence_truncate": (0.6, 1.8, 3.0), "sequence_mask": (0.0, 0.0, 0.0)}
+    for mode, (lo, mean, hi) in expected.items():
+        metrics = run_json(capsys, "analyze", path, "--names", "trl", "--vllm-is-mode", mode,
+                           "--vllm-is-clip-min", "0.6")["metrics"]
+        got = [metrics[f"sampling/importance_sampling_ratio/{s}"] for s in ("min", "mean", "max")]
+        assert got == pytest.approx([lo, mean, hi], rel=1e-6), mode
+
+
+@pytest.mark.parametrize("args", [["--vllm-is-mode", "bogus"], ["--vllm-is-clip-max", "0"],
+                                  ["--vllm-is-clip-min", "3", "--vllm-is-clip-max", "3"]])
+def test_trl_vllm_importance_sampling_bad_options(capsys, dump, args):
+    path, _ = dump
+    assert main(["analyze", str(path), "-q", "--names", "trl", *args]) == 2
+    assert "--vllm-is" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------------------

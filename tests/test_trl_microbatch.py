@@ -11,6 +11,8 @@ Ratios r = exp(new − prox), ε = 0.2, k3 = e^y − y − 1 with y = ref − ne
             mb 1: C (A > 0) r = [1.5, 1]     → 1 high of 2 tokens
     step 2  mb 2: D (A > 0) r = [1.5, 1.5]   → 2 high of 2 tokens
             mb 3: E (A > 0) r = [1.5, 1.5], loss_mask 0 everywhere: the fully masked micro-batch
+
+Token entropies, one value per sequence: A 1, B 4, C 2, D 3, E 5 (TRL's ``entropy``, averaged the same way).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from grpo_cli.io.writer import RolloutWriter
 
 PROX = -2.0
 K3_B = (2.0 - math.log(2.0) - 1.0) * 1.5  # seq B's one token: k3(ln 2) · r
+ENTROPY = [1.0, 4.0, 2.0, 3.0, 5.0]  # per sequence A..E, the same on each of its tokens
 
 
 def _tokens(ratios: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,8 +50,9 @@ def write_dump(directory: Path, *, with_micro_batch: bool) -> None:
     seq = 0
     with RolloutWriter(str(directory), metadata={"framework": "trl"}) as writer:
         for step, micro_batch, sequences in layout:
-            new, prox, ref, mask, adv = [], [], [], [], []
-            for ratios, advantage, y, loss_mask in sequences:
+            new, prox, ref, mask, adv, ent = [], [], [], [], [], []
+            for i, (ratios, advantage, y, loss_mask) in enumerate(sequences):
+                ent.append(torch.full((len(ratios),), ENTROPY[seq + i]))
                 n, p = _tokens(ratios)
                 new.append(n.float())
                 prox.append(p.float())
@@ -58,7 +62,7 @@ def write_dump(directory: Path, *, with_micro_batch: bool) -> None:
             ids = list(range(seq, seq + len(sequences)))
             seq += len(sequences)
             writer.add(step=step, new_logp=new, old_logp=prox, prox_logp=prox, ref_logp=ref, loss_mask=mask,
-                       advantages=torch.tensor(adv), rewards=torch.tensor(adv), seq_id=ids, group_id=ids,
+                       entropy=ent, advantages=torch.tensor(adv), rewards=torch.tensor(adv), seq_id=ids, group_id=ids,
                        micro_batch=micro_batch if with_micro_batch else None, window="response")
 
 
@@ -79,16 +83,18 @@ PER_MICRO_BATCH = {
     1: {"clip_ratio/low_mean": (1 / 4 + 0 / 2) / 2, "clip_ratio/high_mean": (1 / 4 + 1 / 2) / 2,
         "clip_ratio/region_mean": (2 / 4 + 1 / 2) / 2, "kl": (K3_B / 4 + 0.0) / 2,
         "clip_ratio/low_min": (0.0 + 0.0) / 2,  # mb 0: min(1/3, 0); mb 1: 0
-        "clip_ratio/high_max": (1.0 + 0.5) / 2},  # mb 0: max(0, 1); mb 1: 1/2
+        "clip_ratio/high_max": (1.0 + 0.5) / 2,  # mb 0: max(0, 1); mb 1: 1/2
+        "entropy": ((3 * 1.0 + 4.0) / 4 + 2.0) / 2},
     # mb 3 has no valid token: TRL logs 0 for it, which halves the step's value; its nanmin/nanmax is NaN (dropped)
     2: {"clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": (1.0 + 0.0) / 2, "clip_ratio/region_mean": 0.5,
-        "kl": 0.0, "clip_ratio/low_min": 0.0, "clip_ratio/high_max": 1.0},
+        "kl": 0.0, "clip_ratio/low_min": 0.0, "clip_ratio/high_max": 1.0, "entropy": (3.0 + 0.0) / 2},
 }
 # Without the column: the step's valid tokens pooled
 POOLED = {
     1: {"clip_ratio/low_mean": 1 / 6, "clip_ratio/high_mean": 2 / 6, "clip_ratio/region_mean": 3 / 6,
-        "kl": K3_B / 6},
-    2: {"clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 1.0, "clip_ratio/region_mean": 1.0, "kl": 0.0},
+        "kl": K3_B / 6, "entropy": (3 * 1.0 + 4.0 + 2 * 2.0) / 6},
+    2: {"clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 1.0, "clip_ratio/region_mean": 1.0, "kl": 0.0,
+        "entropy": 3.0},
 }
 
 
@@ -118,6 +124,9 @@ def test_whole_dump_is_the_mean_over_all_micro_batches(dumps: dict[str, Path]):
     assert metrics["clip_ratio/high_mean"] == pytest.approx((1 / 4 + 1 / 2 + 1.0 + 0.0) / 4, rel=1e-6)
     assert metrics["clip_ratio/low_mean"] == pytest.approx((1 / 4 + 0 + 0 + 0) / 4, rel=1e-6)
     assert metrics["kl"] == pytest.approx(K3_B / 4 / 4, rel=1e-6)
+    assert metrics["entropy"] == pytest.approx((7 / 4 + 2.0 + 3.0 + 0.0) / 4, rel=1e-6)
+    # grpo-cli's own pooled entropy/mean keeps its key under --names trl: (3 + 4 + 4 + 6) / 8 valid tokens
+    assert metrics["entropy/mean"] == pytest.approx(17 / 8, rel=1e-6)
 
 
 def test_without_micro_batch_the_step_is_pooled(dumps: dict[str, Path]):

@@ -19,6 +19,8 @@ from grpo_cli._choices import (
     FRAMEWORKS,
     ON_INVALID,
     PRESET_NAMES,
+    TRL_VLLM_IS_MODES,
+    VERL_ROLLOUT_IS_LEVELS,
 )
 from grpo_cli._launch import distributed_env, is_secondary_rank
 from grpo_cli.errors import UsageError
@@ -36,6 +38,13 @@ __all__ = [
     "KlClampOpt",
     "MaxStalenessOpt",
     "ProxApproximationOpt",
+    "RolloutIsOpt",
+    "RolloutIsThresholdOpt",
+    "RolloutRsOpt",
+    "RolloutRsThresholdOpt",
+    "VllmIsClipMaxOpt",
+    "VllmIsClipMinOpt",
+    "VllmIsModeOpt",
     "check_device",
     "config_from",
     "emit",
@@ -143,6 +152,41 @@ RsLowerOpt = Annotated[float | None, typer.Option("--rs-lower", help="Rejection 
 
 IsThresholdOpt = Annotated[
     float, typer.Option("--is-threshold", help="IS weight bound C: is/frac_high (w > C), is/frac_low (w < 1/C).")
+]
+# verl's RolloutCorrectionConfig and TRL's GRPOConfig settings of the figures they log (read under their --names).
+RolloutIsOpt = Annotated[
+    str,
+    typer.Option("--rollout-is", **one_of(*VERL_ROLLOUT_IS_LEVELS),
+                 help="--names verl: verl's rollout_is level of rollout_corr/rollout_is_* (verl's own default is "
+                 "off; token here)."),
+]
+RolloutIsThresholdOpt = Annotated[
+    str | None,
+    typer.Option("--rollout-is-threshold", help="--names verl: verl's rollout_is_threshold, U (truncate at U) or "
+                 "L_U (IcePop: weights outside [L, U] become 0); default --is-threshold."),
+]
+RolloutRsOpt = Annotated[
+    str | None,
+    typer.Option("--rollout-rs", help="--names verl: verl's rollout_rs rejection-sampling options, comma-separated "
+                 "(token_k1, seq_mean_k3, ...); gives rollout_corr/rollout_rs_*."),
+]
+RolloutRsThresholdOpt = Annotated[
+    str | None,
+    typer.Option("--rollout-rs-threshold", help="--names verl: verl's rollout_rs_threshold, one per option or one "
+                 "for all (k1: L_U or U; k2/k3: an upper bound)."),
+]
+VllmIsModeOpt = Annotated[
+    str,
+    typer.Option("--vllm-is-mode", **one_of(*TRL_VLLM_IS_MODES),
+                 help="--names trl: TRL's vllm_importance_sampling_mode of sampling/importance_sampling_ratio/*."),
+]
+VllmIsClipMaxOpt = Annotated[
+    float, typer.Option("--vllm-is-clip-max", help="--names trl: TRL's vllm_importance_sampling_clip_max (C_max).")
+]
+VllmIsClipMinOpt = Annotated[
+    float | None,
+    typer.Option("--vllm-is-clip-min", help="--names trl: TRL's vllm_importance_sampling_clip_min (C_min; default "
+                 "none)."),
 ]
 KlClampOpt = Annotated[
     float | None,

@@ -5,9 +5,8 @@ is trained for 8 steps (``num_iterations=2``, ``beta=0.04``, two reward function
 with evaluation every 2 steps, and for 2 steps with ``mask_truncated_completions``. Then
 ``grpo-cli analyze DUMP --names trl --group-by step --format json``, run through the CLI, must equal
 ``trainer.state.log_history`` for every key both have, to 1e-4 relative: the per-micro-batch keys
-(``clip_ratio/*``, ``kl``) through the dump's ``micro_batch`` column. ``entropy`` (grpo-cli's pooled
-``entropy/mean``) is a strict xfail; a reference computation from the ``micro_batch`` column shows the dump holds
-what TRL averaged.
+(``clip_ratio/*``, ``kl``, ``entropy``) through the dump's ``micro_batch`` column; a reference computation from
+the ``micro_batch`` column shows the dump holds what TRL averaged.
 """
 
 from __future__ import annotations
@@ -53,17 +52,8 @@ AGREE = (
 #: with the dump's ``micro_batch`` column ``--names trl`` averages them the same way (tested equal).
 PER_MICRO_BATCH = (
     "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
-    "clip_ratio/high_max", "kl",
+    "clip_ratio/high_max", "kl", "entropy",
 )
-#: Keys TRL averages per micro-batch while grpo-cli pools a step's tokens (strict xfails, with the reason).
-POOLED_REASON = (
-    "TRL logs the mean over the step's micro-batches of per-micro-batch masked token means "
-    "(GRPOTrainer._compute_loss, global_masked_mean); under --names trl `entropy` is grpo-cli's own entropy/mean "
-    "(grpo_cli/metrics/policy.py), a pooled token mean, not a per-micro-batch peer figure"
-)
-POOLED = {
-    "entropy": POOLED_REASON,
-}
 
 
 # -- helpers ------------------------------------------------------------------------------------------------------
@@ -294,7 +284,7 @@ def test_dump_steps_ids_and_forwards(run: dict[str, Any]):
 def test_keys_in_common_are_the_known_ones(run: dict[str, Any]):
     ours = set().union(*(m.keys() for m in by_step(run["analysis"]).values()))
     theirs = set().union(*(e.keys() for e in train_log(run).values()))
-    assert ours & theirs == set(AGREE) | set(PER_MICRO_BATCH) | set(POOLED)
+    assert ours & theirs == set(AGREE) | set(PER_MICRO_BATCH)
 
 
 @pytest.mark.parametrize("key", AGREE)
@@ -318,17 +308,7 @@ def test_eval_analyze_equals_trl_eval_log_per_micro_batch_keys(with_eval: dict[s
     assert not bad, bad
 
 
-@pytest.mark.parametrize(
-    "key", [pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=reason)) for k, reason in POOLED.items()]
-)
-def test_analyze_equals_trl_log_pooled_keys(plain: dict[str, Any], key: str):
-    compared, bad = mismatches(by_step(plain["analysis"]), train_log(plain), key)
-    assert compared == plain["steps"]
-    assert not bad, bad
-
-
-@pytest.mark.parametrize("key", [k for k in (*PER_MICRO_BATCH, *POOLED) if k not in ("clip_ratio/low_min",
-                                                                                   "clip_ratio/high_max")])
+@pytest.mark.parametrize("key", [k for k in PER_MICRO_BATCH if k not in ("clip_ratio/low_min", "clip_ratio/high_max")])
 def test_micro_batch_column_rebuilds_trl_averages(run: dict[str, Any], key: str):
     reference = per_micro_batch_reference(read_dump(run["dump"]))
     compared, bad = mismatches(reference, train_log(run), key)
@@ -375,8 +355,7 @@ def test_eval_analyze_equals_trl_eval_log(with_eval: dict[str, Any], key: str):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("key", [k for k in (*PER_MICRO_BATCH, *POOLED) if k not in ("clip_ratio/low_min",
-                                                                                   "clip_ratio/high_max")])
+@pytest.mark.parametrize("key", [k for k in PER_MICRO_BATCH if k not in ("clip_ratio/low_min", "clip_ratio/high_max")])
 def test_eval_micro_batch_column_rebuilds_trl_averages(with_eval: dict[str, Any], key: str):
     reference = per_micro_batch_reference(read_dump(with_eval["eval_dump"]))
     compared, bad = mismatches(reference, eval_log(with_eval), key, prefix="eval_")

@@ -15,7 +15,12 @@ import torch
 from _batches import close, make_batch
 
 from grpo_cli.core import grpo_family_loss_terms
-from grpo_cli.core.peer_figures import trl_cispo_clip_ratio, trl_clip_ratio_metrics, trl_logged_kl
+from grpo_cli.core.peer_figures import (
+    trl_cispo_clip_ratio,
+    trl_clip_ratio_metrics,
+    trl_logged_kl,
+    trl_sampling_metrics,
+)
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 # TRL loss_type -> (grpo-cli variant, importance_sampling_level)
@@ -154,3 +159,67 @@ def test_bias_correction_off_matches_grpo_cli_default(trl: SimpleNamespace, loss
     (g_ours,) = torch.autograd.grad(num / den, lp_ours)
     close(torch.where(b.mask, g_ours, 0), torch.where(b.mask, g_peer, 0), torch.float64, "gradient")
     close(trl_logged_kl(b.lp, b.old, b.ref, b.mask, use_bias_correction_kl=False), logged["kl"][0], torch.float64, "kl")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# vLLM importance sampling (``_generate_and_score_completions``)
+# ------------------------------------------------------------------------------------------------------------
+
+IS_MODES = ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+
+
+def _trl_block(trl: SimpleNamespace, start: str, end: str) -> str:
+    """The lines of TRL's own ``_generate_and_score_completions`` from ``start`` up to ``end`` (exclusive),
+    dedented: the method needs a generation backend, so the tier runs its importance-sampling blocks alone."""
+    import inspect
+    import textwrap
+
+    source = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
+    i = source.index(start)
+    j = source.index(end, i)
+    first_line = source.rfind("\n", 0, i) + 1
+    return textwrap.dedent(source[first_line:j])
+
+
+def _run_trl_sampling(trl: SimpleNamespace, old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor, *,
+                      mode: str, clip_min: float | None, clip_max: float | None) -> tuple[torch.Tensor, dict]:
+    import math
+
+    ratio_code = _trl_block(trl, "if self.use_vllm and self.vllm_importance_sampling_correction:\n"
+                            "                mask = completion_mask",
+                            "# Compute the per-token log probabilities for the reference model")
+    metrics_code = _trl_block(trl, "if self.use_vllm and self.vllm_importance_sampling_correction:\n"
+                              "            delta = torch.abs", "output = {")
+    metrics: dict[str, dict[str, list]] = {"train": defaultdict(list)}
+    trainer = SimpleNamespace(
+        use_vllm=True, vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_min=clip_min, vllm_importance_sampling_clip_max=clip_max,
+        accelerator=SimpleNamespace(gather=lambda x: x.reshape(1)), _metrics=metrics,
+    )
+    scope = {"self": trainer, "torch": torch, "math": math, "completion_mask": mask.long(), "tool_mask": None,
+             "old_per_token_logps": old, "sampling_per_token_logps": sampling, "mode": "train", "device": old.device,
+             "nanmin": trl.grpo_trainer.nanmin, "nanmax": trl.grpo_trainer.nanmax}
+    # TRL's own released code, read from the pinned wheel
+    exec(ratio_code, scope)
+    exec(metrics_code, scope)
+    return scope["vllm_importance_sampling_ratio"], {k: v[0] for k, v in metrics["train"].items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("clip", [(None, 3.0), (0.5, 2.0), (0.9, None)])
+@pytest.mark.parametrize("mode", IS_MODES)
+def test_vllm_importance_sampling(trl: SimpleNamespace, mode: str, clip: tuple, dtype: torch.dtype) -> None:
+    b = make_batch(23, dtype)
+    sampling = b.roll.clone()
+    sampling[0, 1] = float("nan")  # a token vLLM could not score
+    clip_min, clip_max = clip
+    ratio_peer, logged = _run_trl_sampling(trl, b.old, sampling, b.mask, mode=mode, clip_min=clip_min,
+                                           clip_max=clip_max)
+    ratio, ours = trl_sampling_metrics(b.old, sampling, b.mask, mode=mode, clip_min=clip_min, clip_max=clip_max)
+    if mode.startswith("token"):
+        close(torch.where(b.mask, ratio, 0), torch.where(b.mask, ratio_peer, 0), dtype, f"{mode} ratio")
+    else:
+        close(ratio, ratio_peer, dtype, f"{mode} ratio")
+    assert set(logged) == {f"sampling/{k}" for k in ours}
+    for key, value in ours.items():
+        close(value, logged[f"sampling/{key}"], dtype, f"sampling/{key} ({mode}, {clip})")

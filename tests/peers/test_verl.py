@@ -259,3 +259,56 @@ def test_pearson_figure_under_names_verl(verl: SimpleNamespace, tmp_path, capsys
     peer = verl.debug_metrics.pearson_correlation_coefficient(torch.exp(pad("prox", torch.float64)),
                                                  torch.exp(pad("old", torch.float64)), mask)
     assert ours == pytest.approx(peer, rel=1e-9)
+
+
+# ``analyze --names verl`` with verl's rollout_is / rollout_rs settings against verl's own pipeline
+# (compute_rollout_correction_weights, compute_rollout_rejection_mask, compute_offpolicy_metrics: the three calls of
+# compute_rollout_correction_and_rejection_mask) on the whole dump as one training batch. Together the cases cover
+# all eleven rollout_rs options, both rollout_is levels, TIS and IcePop thresholds.
+ANALYZE_CASES = [
+    ("sequence", "2.0", "token_k1", "0.5_2.0"),
+    ("token", "0.5_5.0", "seq_sum_k3", "2.0"),
+    ("sequence", "0.5_5.0", "seq_mean_k1,seq_max_k2,token_k3", "0.9_1.1,0.5,0.3"),
+    ("token", "2.0", "seq_mean_k2,seq_sum_k1,token_k2,seq_mean_k3,seq_max_k3,seq_sum_k2",
+     "0.05,0.1_10,0.1,0.05,0.5,1.0"),
+]
+
+
+@pytest.mark.parametrize(("level", "is_threshold", "options", "rs_threshold"), ANALYZE_CASES)
+def test_rollout_correction_settings_under_names_verl(verl: SimpleNamespace, tmp_path, capsys, level: str,
+                                                      is_threshold: str, options: str, rs_threshold: str) -> None:
+    import dataclasses
+    import json
+
+    from reference import random_sequences, write_sequences
+
+    from grpo_cli.cli import main
+
+    seqs = random_sequences(24, seed=11, with_prox=True)
+    seqs[5] = dataclasses.replace(seqs[5], mask=[0] * len(seqs[5].new))  # a sequence without a valid token
+    path = tmp_path / "d.parquet"
+    write_sequences(str(path), seqs, row_group_size=5)
+    args = ["analyze", str(path), "--names", "verl", "-f", "json", "-q", "--batch-tokens", "13", "--rollout-is",
+            level, "--rollout-is-threshold", is_threshold, "--rollout-rs", options, "--rollout-rs-threshold",
+            rs_threshold]
+    assert main(args) == 0
+    ours = json.loads(capsys.readouterr().out)["metrics"]
+    width = max(len(s.new) for s in seqs)
+
+    def pad(attr: str) -> torch.Tensor:
+        return torch.tensor([list(getattr(s, attr)) + [0] * (width - len(s.new)) for s in seqs], dtype=torch.float64)
+
+    mask = pad("mask")
+    for train, prefix in (("prox", "rollout_corr/"), ("new", "actor/rollout_corr/")):
+        trained, rollout = pad(train), pad("old")
+        log_ratio = trained - rollout
+        _, peer = verl.rollout_corr.compute_rollout_correction_weights(
+            log_ratio, mask, rollout_is=level, rollout_is_threshold=is_threshold)
+        _, rs = verl.rollout_corr.compute_rollout_rejection_mask(
+            log_ratio, mask, rollout_rs=options, rollout_rs_threshold=rs_threshold)
+        peer.update(rs)
+        peer.update(verl.rollout_corr.compute_offpolicy_metrics(trained, rollout, mask))
+        shown = {k[len(prefix):]: v for k, v in ours.items() if k.startswith(prefix)}
+        assert set(shown) == set(peer), set(shown) ^ set(peer)
+        for key, value in peer.items():
+            assert shown[key] == pytest.approx(float(value), rel=1e-6, abs=1e-9), prefix + key

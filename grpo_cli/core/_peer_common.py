@@ -1,0 +1,63 @@
+"""Shared helpers of the peers' logged figures (:mod:`grpo_cli.core.peer_figures`): padded ``[B, T]`` inputs
+with a bool (or 0/1) mask, elementwise math in the working dtype, sums in float64, masked positions neutralised
+with ``torch.where``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from grpo_cli.core._loss_common import as_bool_mask, check_same_shape, compute_dtype
+
+__all__ = ["F64", "VERL_SAFETY_BOUND", "masked_max", "masked_mean", "masked_min", "prepare", "row_means", "row_sums",
+           "where"]
+
+VERL_SAFETY_BOUND = 20.0
+"""verl's ``SAFETY_BOUND``: log-ratios are clamped to ±20 before ``exp`` in the rollout-correction helper."""
+
+F64 = torch.float64
+
+
+def prepare(ref: Tensor, mask: Tensor, **others: Tensor | None) -> tuple[Tensor, torch.dtype]:
+    """Check padded ``[B, T]`` inputs of one shape; return the bool mask and the working dtype."""
+    if not isinstance(ref, Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(ref).__name__}")
+    if ref.ndim != 2:
+        raise ValueError(f"expected padded [B, T] tensors, got shape {tuple(ref.shape)}")
+    m = as_bool_mask(mask, "mask")
+    check_same_shape("log_probs", ref, mask=m, **others)
+    return m, compute_dtype(ref.dtype)
+
+
+def where(mask: Tensor, x: Tensor, fill: float = 0.0) -> Tensor:
+    """``x`` on the mask, ``fill`` elsewhere (the peers multiply by the mask; this keeps inf/NaN out)."""
+    return torch.where(mask, x, torch.full((), fill, dtype=x.dtype, device=x.device))
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> float:
+    """Σ x·m / Σ m over everything (float64), 0 for an empty mask (verl divides by Σm + 1e-8)."""
+    n = int(mask.sum())
+    return float(where(mask, x).to(F64).sum() / n) if n else 0.0
+
+
+def row_sums(x: Tensor, mask: Tensor) -> Tensor:
+    """Per-row masked sums in float64."""
+    return where(mask, x).to(F64).sum(-1)
+
+
+def row_means(x: Tensor, mask: Tensor) -> Tensor:
+    """Per-row masked means in float64; a row without valid tokens gives 0 (verl's ``masked_mean(axis=-1)``)."""
+    n = mask.sum(-1).to(F64)
+    return row_sums(x, mask) / n.clamp(min=1.0)
+
+
+def masked_max(x: Tensor, mask: Tensor) -> float:
+    """Largest value on the mask (−inf when empty)."""
+    return float(where(mask, x.to(F64), -math.inf).max()) if x.numel() else -math.inf
+
+
+def masked_min(x: Tensor, mask: Tensor) -> float:
+    """Smallest value on the mask (+inf when empty)."""
+    return float(where(mask, x.to(F64), math.inf).min()) if x.numel() else math.inf

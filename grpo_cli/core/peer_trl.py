@@ -1,0 +1,219 @@
+"""TRL's logged figures (``trl/trainer/grpo_trainer.py``: ``GRPOTrainer._compute_loss``,
+``_generate_and_score_completions``). Re-exported by :mod:`grpo_cli.core.peer_figures`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from grpo_cli._choices import TRL_VLLM_IS_MODES
+from grpo_cli.core._loss_common import (
+    check_real,
+)
+from grpo_cli.core._peer_common import (
+    F64,
+    masked_max,
+    masked_mean,
+    prepare,
+    row_means,
+    where,
+)
+from grpo_cli.core.kl import kl_estimate
+
+__all__ = [
+    "trl_cispo_clip_ratio",
+    "trl_clip_ratio_metrics",
+    "trl_logged_kl",
+    "trl_sampling_metrics",
+]
+
+
+def _trl_coef(log_prob: Tensor, old_log_prob: Tensor, m: Tensor, cd: torch.dtype, level: str) -> Tensor:
+    """TRL's ``coef_1``: ``exp(ℓ − ℓ_old)`` per token, or the sequence mean log-ratio broadcast (no clamp)."""
+    log_ratio = where(m, log_prob.to(cd) - old_log_prob.detach().to(cd))
+    if level == "token":
+        return torch.exp(log_ratio)
+    if level != "sequence":
+        raise ValueError(f"Unknown importance sampling level: {level}. Possible values are 'token' and 'sequence'.")
+    n = m.sum(-1, keepdim=True).to(F64).clamp(min=1.0)
+    seq = (log_ratio.to(F64).sum(-1, keepdim=True) / n).to(cd)
+    return torch.exp(seq).expand_as(log_ratio)
+
+
+def trl_logged_kl(
+    log_prob: Tensor,
+    old_log_prob: Tensor | None,
+    ref_log_prob: Tensor,
+    mask: Tensor,
+    *,
+    importance_sampling_level: str = "token",
+    use_bias_correction_kl: bool = True,
+) -> float:
+    """TRL's logged ``kl``: the token mean of ``k3 = e^{ℓ_ref − ℓ} − (ℓ_ref − ℓ) − 1`` times ``coef_1``.
+
+    TRL 1.16 ``GRPOTrainer._compute_loss`` logs ``global_masked_mean(per_token_kl)`` after the bias
+    correction (``use_bias_correction_kl``, default True) has multiplied k3 by the ratio ``coef_1``
+    (per token, or the sequence ratio under ``importance_sampling_level="sequence"``); ``old_log_prob=None``
+    is TRL's on-policy shortcut (``coef_1 = 1``). An empty mask gives 0 (TRL divides by ``max(Σm, 1)``).
+
+    Example:
+        >>> lp = torch.tensor([[-1.0]]); old = lp - math.log(2.0)
+        >>> round(trl_logged_kl(lp, old, torch.tensor([[-2.0]]), torch.ones(1, 1)), 6)  # 2·e^-1
+        0.735759
+    """
+    m, cd = prepare(log_prob, mask, old_log_prob=old_log_prob, ref_log_prob=ref_log_prob)
+    lp = where(m, log_prob.detach().to(cd))
+    k3 = kl_estimate(lp, where(m, ref_log_prob.detach().to(cd)), "k3")
+    if use_bias_correction_kl and old_log_prob is not None:
+        k3 = k3 * _trl_coef(lp, old_log_prob, m, cd, importance_sampling_level)
+    return masked_mean(k3, m)
+
+
+def trl_clip_ratio_metrics(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    importance_sampling_level: str = "token",
+) -> dict[str, float]:
+    """TRL's ``clip_ratio/*`` for the clipped losses (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``).
+
+    ``low = [coef_1 < 1 − ε_low ∧ A < 0]``, ``high = [coef_1 > 1 + ε_high ∧ A > 0]``: ``low_mean``,
+    ``high_mean``, ``region_mean`` (low ∨ high) are token means over the mask; ``low_min`` is the minimum and
+    ``high_max`` the maximum over sequences of the per-sequence token means (a sequence without valid tokens
+    gives NaN there and is skipped, TRL's ``nanmin``/``nanmax``). Under ``importance_sampling_level="sequence"``
+    ``coef_1`` is the sequence ratio, TRL keeps one value per sequence and the means run over sequences, so
+    per-token advantages are then read at each sequence's first position (TRL's ``(B, 1)`` broadcast).
+
+    Example:
+        >>> lp = torch.log(torch.tensor([[1.5, 0.5]])); adv = torch.tensor([[1.0, -1.0]])
+        >>> trl_clip_ratio_metrics(lp, torch.zeros(1, 2), adv, torch.ones(1, 2))["region_mean"]
+        1.0
+    """
+    eps_lo = check_real(epsilon_low, "epsilon_low", minimum=0.0)
+    eps_hi = eps_lo if epsilon_high is None else check_real(epsilon_high, "epsilon_high", minimum=0.0)
+    m, cd = prepare(log_prob, mask, old_log_prob=old_log_prob, advantages=advantages)
+    coef = _trl_coef(log_prob.detach(), old_log_prob, m, cd, importance_sampling_level)
+    adv = advantages.detach().to(cd)
+    if importance_sampling_level == "sequence":
+        coef1, adv1 = coef[:, :1], adv[:, :1]
+        low = (coef1 < 1 - eps_lo) & (adv1 < 0)
+        high = (coef1 > 1 + eps_hi) & (adv1 > 0)
+        rows = torch.ones_like(low)
+        low_seq, high_seq = low.to(F64).reshape(-1), high.to(F64).reshape(-1)
+        return {
+            "low_mean": masked_mean(low, rows),
+            "high_mean": masked_mean(high, rows),
+            "region_mean": masked_mean(low | high, rows),
+            "low_min": float(low_seq.min()) if low_seq.numel() else math.nan,
+            "high_max": float(high_seq.max()) if high_seq.numel() else math.nan,
+        }
+    low = (coef < 1 - eps_lo) & (adv < 0)
+    high = (coef > 1 + eps_hi) & (adv > 0)
+    n = m.sum(-1)
+    has = n > 0
+    low_seq = row_means(low, m)[has]
+    high_seq = row_means(high, m)[has]
+    return {
+        "low_mean": masked_mean(low, m),
+        "high_mean": masked_mean(high, m),
+        "region_mean": masked_mean(low | high, m),
+        "low_min": float(low_seq.min()) if low_seq.numel() else math.nan,
+        "high_max": float(high_seq.max()) if high_seq.numel() else math.nan,
+    }
+
+
+def trl_cispo_clip_ratio(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    epsilon_high: float,
+    importance_sampling_level: str = "token",
+) -> float:
+    """TRL's ``cispo_clip_ratio``: token mean of ``[coef_1 > ε_high ∧ A > 0]``.
+
+    TRL's CISPO caps the ratio at the absolute ``epsilon_high`` (recommended 5.0), and only a positive
+    advantage can be limited by that cap, so the indicator is gated by the advantage sign. Under
+    ``importance_sampling_level="sequence"`` the mean runs over sequences (advantage at the first position).
+
+    Example:
+        >>> lp = torch.log(torch.tensor([[6.0, 6.0]])); adv = torch.tensor([[1.0, -1.0]])
+        >>> trl_cispo_clip_ratio(lp, torch.zeros(1, 2), adv, torch.ones(1, 2), epsilon_high=5.0)
+        0.5
+    """
+    eps_hi = check_real(epsilon_high, "epsilon_high", minimum=0.0)
+    m, cd = prepare(log_prob, mask, old_log_prob=old_log_prob, advantages=advantages)
+    coef = _trl_coef(log_prob.detach(), old_log_prob, m, cd, importance_sampling_level)
+    clipped = (coef > eps_hi) & (advantages.detach().to(cd) > 0)
+    if importance_sampling_level == "sequence":
+        return masked_mean(clipped[:, :1], torch.ones_like(clipped[:, :1]))
+    return masked_mean(clipped, m)
+
+
+_TRL_IS_MODES = TRL_VLLM_IS_MODES
+
+
+def trl_sampling_metrics(
+    old_log_prob: Tensor,
+    sampling_log_prob: Tensor,
+    mask: Tensor,
+    *,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """TRL's vLLM importance-sampling ratio and its ``sampling/*`` figures (``_generate_and_score_completions``).
+
+    ``Δ = (ℓ_old − ℓ_sampling)·m`` with NaN (a token vLLM could not score) as 0; token modes use ``exp(Δ)``
+    per token, sequence modes ``exp(Σ_t Δ)`` per row (shape ``[B, 1]``); ``*_truncate`` clamps to
+    ``[clip_min, clip_max]``, ``*_mask`` zeroes ratios outside. The defaults are TRL 1.16's ``GRPOConfig``
+    (``vllm_importance_sampling_mode="sequence_mask"``, ``clip_min=None``, ``clip_max=3.0``). Figures:
+
+    - ``sampling_logp_difference/mean`` and ``/max``: mean and max of ``|ℓ_old − ℓ_sampling|`` over valid tokens
+      that are not NaN (0 when none);
+    - ``importance_sampling_ratio/{min,mean,max}``: over valid tokens (token modes) or all rows (sequence
+      modes), 0 when empty.
+
+    Returns:
+        ``(ratio, figures)``: the ratio ``[B, T]`` or ``[B, 1]`` as TRL multiplies it into the loss.
+
+    Example:
+        >>> old = torch.tensor([[-1.0, -2.0]]); samp = torch.tensor([[-1.5, -1.0]])
+        >>> _, f = trl_sampling_metrics(old, samp, torch.ones(1, 2))
+        >>> f["sampling_logp_difference/mean"], f["sampling_logp_difference/max"]
+        (0.75, 1.0)
+    """
+    if mode not in _TRL_IS_MODES:
+        raise ValueError(f"Unknown vLLM importance sampling level: {mode}. Possible values are {_TRL_IS_MODES}.")
+    m, cd = prepare(old_log_prob, mask, sampling_log_prob=sampling_log_prob)
+    old, samp = old_log_prob.detach().to(cd), sampling_log_prob.detach().to(cd)
+    diff = torch.nan_to_num(where(m, old - samp), nan=0.0)
+    sequence = mode.startswith("sequence")
+    log_w = diff.to(F64).sum(-1, keepdim=True).to(cd) if sequence else diff
+    ratio = torch.exp(log_w)
+    if mode.endswith("truncate"):
+        ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
+    else:
+        lo = -math.inf if clip_min is None else clip_min
+        hi = math.inf if clip_max is None else clip_max
+        ratio = ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+    delta = (old - samp).abs()
+    keep = m & ~torch.isnan(delta)
+    n = int(keep.sum())
+    out = {
+        "sampling_logp_difference/mean": masked_mean(delta, keep) if n else 0.0,
+        "sampling_logp_difference/max": masked_max(delta, keep) if n else 0.0,
+    }
+    flat = ratio.reshape(-1).to(F64) if sequence else ratio[m].to(F64)
+    empty = flat.numel() == 0
+    out["importance_sampling_ratio/min"] = 0.0 if empty else float(flat.min())
+    out["importance_sampling_ratio/mean"] = 0.0 if empty else float(flat.mean())
+    out["importance_sampling_ratio/max"] = 0.0 if empty else float(flat.max())
+    return ratio, out
