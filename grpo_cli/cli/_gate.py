@@ -140,7 +140,7 @@ def check(
         report = run_check(dataset, rule_set, config, baseline=base, warn_only=warn_only,
                            require_valid_input=require_valid, progress=progress,
                            findings=DetectConfig(max_staleness=max_staleness, prox_approximation=prox_approximation),
-                           select=select or None, ignore=ignore or ())
+                           select=select or None, ignore=ignore or (), all_figures=save_baseline is not None)
     elapsed = time.perf_counter() - started
     warn_skipped(report.metrics)
     for note in report.notes:

@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -57,9 +58,13 @@ from grpo_cli.commands._check_rules import (
     sanity_figures,
     valid_input_rule,
 )
+from grpo_cli.engine.group import MetricGroup
+from grpo_cli.engine.validate import ValidationGroup
 from grpo_cli.errors import EXIT_CHECK_FAILED, EXIT_OK, InputError, UsageError
-from grpo_cli.findings import DetectConfig
+from grpo_cli.findings import DetectConfig, detector_inputs, selected_codes
 from grpo_cli.findings import select as select_findings
+from grpo_cli.metrics import default_groups, select_groups
+from grpo_cli.metrics.diagnosis import diagnosis_groups
 
 if TYPE_CHECKING:
     from grpo_cli.io.reader import RolloutDataset
@@ -84,6 +89,7 @@ __all__ = [
     "Severity",
     "Status",
     "analyze_config",
+    "check_groups",
     "evaluate_rule",
     "fmt",
     "known_metrics",
@@ -210,6 +216,40 @@ def _prox_figures(
     return metrics, omitted, result.config
 
 
+class _ValidationOfEveryColumn(ValidationGroup):
+    """The validation group, reading ``columns``: the log-prob columns a run validates are the ones it reads, so
+    a check computing fewer groups reads every column a full run would, and drops the same invalid sequences."""
+
+    def __init__(self, columns: frozenset[str]) -> None:
+        self._columns = columns
+
+    def columns(self) -> frozenset[str]:
+        return self._columns
+
+
+def check_groups(
+    rules: Sequence[Rule], select: Sequence[str] | None = None, ignore: Sequence[str] = ()
+) -> tuple[list[MetricGroup], list[str]]:
+    """The metric groups that compute the rules' metrics and the inputs of the detectors ``select``/``ignore``
+    choose (with the detectors that can demote theirs: :func:`grpo_cli.findings.detector_inputs`), and the names of
+    the findings-only groups those detectors read.
+
+    Validation, the dump counts and the policy group always run (:func:`grpo_cli.metrics.select_groups`), and
+    validation reads every column a full run reads, so the invalid sequences and every figure computed are the
+    same as when every group runs.
+    """
+    every = default_groups()
+    keys, diagnosis = detector_inputs(selected_codes(select, ignore))
+    declared = [figure.key for group in every for figure in group.figures]
+    # Keys no analyze group declares (check's sanity/*, compare-prox's prox/*) name no group; the rules on them are
+    # evaluated (or refused) as before.
+    patterns = [p for p in [*(r.metric for r in rules), *keys] if any(fnmatch.fnmatchcase(k, p) for k in declared)]
+    read = frozenset().union(*(group.columns() for group in [*every, *diagnosis_groups()]))
+    chosen = [_ValidationOfEveryColumn(read) if isinstance(group, ValidationGroup) else group
+              for group in select_groups(every, list(dict.fromkeys(patterns)))]
+    return chosen, diagnosis
+
+
 def run_check(
     dataset: RolloutDataset,
     rule_set: RuleSet,
@@ -222,6 +262,7 @@ def run_check(
     findings: DetectConfig | None = None,
     select: Sequence[str] | None = None,
     ignore: Sequence[str] = (),
+    all_figures: bool = False,
 ) -> CheckReport:
     """Compute the figures the rules need, evaluate every rule and run the detectors as built-in rules.
 
@@ -229,6 +270,10 @@ def run_check(
     ``findings`` (default: the detectors' defaults), every detector of :mod:`grpo_cli.findings` whose code or category
     ``select`` names (all when ``None``) and ``ignore`` does not is one more rule: an ``error`` finding fails it, a
     ``warning`` warns (:func:`finding_results`).
+
+    Only the metric groups of the rules' metrics and the chosen detectors' inputs run (:func:`check_groups`), with
+    the same rule results and findings as computing everything; ``all_figures`` (``--save-baseline``) computes every
+    figure.
 
     Raises:
         UsageError: unknown metrics, bad ``per`` columns, missing baseline values, rules on metrics the dump cannot
@@ -241,13 +286,14 @@ def run_check(
     validate_rules(rules, dataset, baseline)
     per_columns = list(dict.fromkeys(r.per for r in rules if r.per is not None))
     # One pass per grouping column; the first also gives the overall figures.
-    first = analyze(dataset, replace(config, group_by=per_columns[0] if per_columns else None),
-                    progress=progress, findings=findings or DetectConfig())
+    metric_groups, diagnosis = check_groups(rules, select, ignore) if not all_figures else (None, None)
+    first = analyze(dataset, replace(config, group_by=per_columns[0] if per_columns else None), groups=metric_groups,
+                    progress=progress, findings=findings or DetectConfig(), diagnosis=diagnosis)
     groups: dict[str, list[dict[str, Any]]] = {}
     if per_columns:
         groups[per_columns[0]] = first.groups
     for column in per_columns[1:]:
-        groups[column] = analyze(dataset, replace(config, group_by=column)).groups
+        groups[column] = analyze(dataset, replace(config, group_by=column), groups=metric_groups).groups
     # analyze() has already refused (exit 2) a dump with no rows, no valid token or every sequence invalid.
     metrics, omitted = dict(first.metrics), dict(first.omitted)
     metrics.update(sanity_figures(metrics))

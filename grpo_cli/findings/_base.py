@@ -58,6 +58,25 @@ class DetectConfig:
     min_sequences: int = MIN_SEQUENCES
 
 
+@dataclass(frozen=True)
+class Detector:
+    """One detector and what it reads, so a command can compute only the inputs of the detectors it runs.
+
+    Attributes:
+        run: the detector: figures in, findings out.
+        codes: the codes it may report.
+        groups: the findings-only groups (``diag/shift``, … of :mod:`grpo_cli.metrics.diagnosis`) whose ``diag/*``
+            values it reads.
+        keys: the reported figures it reads (keys or key patterns, as ``analyze --select`` takes them); the dump
+            counts (``n_valid_tokens``, ``n_sequences``) every run has are not listed.
+    """
+
+    run: Callable[[_Ctx], list[Finding]]
+    codes: tuple[str, ...]
+    groups: tuple[str, ...] = ()
+    keys: tuple[str, ...] = ()
+
+
 @dataclass
 class Finding:
     """One diagnostic.

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from grpo_cli.findings._base import (
+    Detector,
     Finding,
     _cap,
     _Ctx,
@@ -258,3 +259,13 @@ def _duplicates(c: _Ctx) -> list[Finding]:
                         {"diag/dup_content_frac": _ev(content, DUP_CONTENT_WARNING)}, where, fix, notes)]
     return []
 
+
+DETECTORS = (
+    Detector(_alignment, ("GRP101",), groups=("diag/shift",)),
+    Detector(_mask, ("GRP104", "GRP105"), groups=("diag/zeros",)),
+    Detector(_reference, ("GRP106",), groups=("diag/equality", "diag/zeros", "diag/by_step")),
+    Detector(_duplicates, ("GRP107",), groups=("diag/duplicates",)),
+    Detector(_temperature, ("GRP102",), groups=("diag/relation", "diag/lags")),
+    Detector(_truncated, ("GRP103",), groups=("diag/relation",)),
+)
+"""The GRP1xx detectors, in the order :func:`~grpo_cli.findings.detect.detect` runs them."""

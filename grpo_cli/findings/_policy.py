@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from grpo_cli.findings._base import (
+    Detector,
     Finding,
     _cap,
     _Ctx,
@@ -329,3 +330,15 @@ def _clipping(c: _Ctx) -> list[Finding]:
     return [Finding("GRP206", "clipping", sev, title, ev, {"steps": [s for s, v, _ in steps if v >= CLIP_WARNING]},
                     fix)]
 
+
+DETECTORS = (
+    Detector(_weight_sync, ("GRP201",), groups=("diag/by_step", "diag/lags"),
+             keys=("by_staleness", "kl/abs_diff_mean", "staleness/theta_mean")),
+    Detector(_mismatch, ("GRP202",), groups=("diag/lags",), keys=("by_staleness", "kl/abs_diff_mean")),
+    Detector(_importance, ("GRP203",), groups=("diag/by_step",),
+             keys=("is/frac_high", "is/frac_low", "is/ess", "spikes/n_ratio_gt_1e3", "top_kl")),
+    Detector(_staleness, ("GRP204",), groups=("diag/lags",), keys=("staleness/hist", "by_staleness")),
+    Detector(_prox, ("GRP205",), groups=("diag/lags",), keys=("staleness/theta_max",)),
+    Detector(_clipping, ("GRP206",), groups=("diag/by_step",), keys=("clip/ratio",)),
+)
+"""The GRP2xx detectors, in the order :func:`~grpo_cli.findings.detect.detect` runs them."""

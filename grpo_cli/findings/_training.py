@@ -4,6 +4,7 @@ entropy collapse, length truncation."""
 from __future__ import annotations
 
 from grpo_cli.findings._base import (
+    Detector,
     Finding,
     _cap,
     _Ctx,
@@ -148,3 +149,12 @@ def _truncation(c: _Ctx) -> list[Finding]:
     steps = sorted(series, key=lambda x: -x[1])[:5]
     return [Finding("GRP402", "length-truncation", sev, title, {"seq/no_eos_frac": _ev(overall, NO_EOS_WARNING)},
                     {"steps": [s for s, _, _ in steps]}, fix)]
+
+
+DETECTORS = (
+    Detector(_advantage, ("GRP301", "GRP302", "GRP303"), groups=("diag/groups",)),
+    Detector(_no_signal, ("GRP304",), keys=("groups/zero_std_frac",)),
+    Detector(_entropy, ("GRP401",), groups=("diag/by_step",), keys=("entropy/mean", "reward/mean")),
+    Detector(_truncation, ("GRP402",), groups=("diag/by_step",), keys=("seq/no_eos_frac",)),
+)
+"""The GRP3xx/GRP4xx detectors, in the order :func:`~grpo_cli.findings.detect.detect` runs them."""

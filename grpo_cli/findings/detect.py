@@ -13,7 +13,7 @@ loss distort every old-vs-new figure) are demoted to ``info`` with a note, so th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from grpo_cli.findings._base import (
@@ -21,31 +21,59 @@ from grpo_cli.findings._base import (
     CODES,
     SEVERITIES,
     DetectConfig,
+    Detector,
     Finding,
     _cap,
     _Ctx,
     per_step_rows,
 )
-from grpo_cli.findings._inputs import _alignment, _duplicates, _mask, _reference, _temperature, _truncated
-from grpo_cli.findings._policy import _clipping, _importance, _mismatch, _prox, _staleness, _weight_sync
-from grpo_cli.findings._training import _advantage, _entropy, _no_signal, _truncation
+from grpo_cli.findings._inputs import DETECTORS as _INPUTS
+from grpo_cli.findings._policy import DETECTORS as _POLICY
+from grpo_cli.findings._training import DETECTORS as _TRAINING
 from grpo_cli.findings.thresholds import *  # noqa: F403  # every threshold stays importable from here
 
 __all__ = [
     "CATEGORIES",
     "CODES",
     "SEVERITIES",
+    "DETECTORS",
     "DetectConfig",
+    "Detector",
     "Finding",
     "detect",
+    "detector_inputs",
     "per_step_rows",
 ]
 
-_DETECTORS: tuple[Callable[[_Ctx], list[Finding]], ...] = (
-    _alignment, _mask, _reference, _duplicates, _temperature, _truncated, _weight_sync, _mismatch, _importance,
-    _staleness, _prox, _clipping, _advantage, _no_signal, _entropy, _truncation,
-)
+DETECTORS: tuple[Detector, ...] = (*_INPUTS, *_POLICY, *_TRAINING)
+"""Every detector, in the order :func:`detect` runs them (causes first)."""
 _OLD_VS_NEW = {"temperature", "truncated-sampling", "mismatch", "weight-sync", "importance-weights", "clipping"}
+_DEMOTIONS: tuple[tuple[tuple[str, ...], set[str]], ...] = (
+    (("GRP101", "GRP104"), _OLD_VS_NEW),
+    (("GRP102", "GRP103"), {"mismatch", "importance-weights", "weight-sync"}),
+    (("GRP101",), {"mask"}),  # GRP104's zeros may be the fill of the shifted column
+)
+"""(causes, categories they demote): a detector in one of the categories needs the causes' detectors to run too."""
+
+
+def detector_inputs(codes: Iterable[str]) -> tuple[list[str], list[str]]:
+    """What the detectors reporting ``codes`` read, with the detectors whose findings can demote theirs.
+
+    Returns:
+        The figure keys (``analyze --select`` patterns) and the findings-only group names they read; a run that
+        computes these gives those codes the same findings as a run that computes every figure.
+    """
+    wanted = set(codes)
+    while True:
+        categories = {CODES[code][0] for code in wanted}
+        more = {cause for causes, demoted in _DEMOTIONS if categories & demoted for cause in causes} - wanted
+        if not more:
+            break
+        wanted |= more
+    chosen = [d for d in DETECTORS if wanted & set(d.codes)]
+    keys = list(dict.fromkeys(key for d in chosen for key in d.keys))
+    groups = list(dict.fromkeys(group for d in chosen for group in d.groups))
+    return keys, groups
 
 
 def _demote(findings: list[Finding], causes: tuple[str, ...], categories: set[str]) -> None:
@@ -74,13 +102,13 @@ def detect(
     cfg = config or DetectConfig()
     ctx = _Ctx(figures, per_step_rows(per_step), cfg)
     findings: list[Finding] = []
-    for detector in _DETECTORS:
-        findings.extend(ctx.finish(f) for f in detector(ctx))
+    for detector in DETECTORS:
+        findings.extend(ctx.finish(f) for f in detector.run(ctx))
     if any(f.code == "GRP101" and f.severity != "info" for f in findings):
         for f in findings:
             if f.code == "GRP104" and set(f.evidence) == {"diag/old_zero_new_nonzero_frac"} and f.severity != "info":
                 f.severity = _cap(f.severity, f.notes, "the zeros are the fill of the shifted column (GRP101)")
-    _demote(findings, ("GRP101", "GRP104"), _OLD_VS_NEW)
-    _demote(findings, ("GRP102", "GRP103"), {"mismatch", "importance-weights", "weight-sync"})
+    for causes, categories in _DEMOTIONS[:2]:
+        _demote(findings, causes, categories)
     order = {s: i for i, s in enumerate(SEVERITIES)}
     return sorted(findings, key=lambda f: (-order[f.severity], f.code))
