@@ -1,10 +1,11 @@
 """``check --baseline``: the figures of an earlier run that baseline-relative bounds (``max_rel_increase``,
-``max_abs_change``) compare against."""
+``max_abs_change``) compare against — from a JSON report (fixed margins), or measured from a rollout dump with each
+change's jackknife interval (:func:`grpo_cli.commands.check.run_check`), so a bound fails only beyond noise."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -24,6 +25,10 @@ class Baseline:
     metrics: dict[str, Any]
     config: dict[str, Any] = field(default_factory=dict)
     omitted: dict[str, str] = field(default_factory=dict)
+    intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """A dump baseline's ``{metric: (low, high)}``: the interval of ``value − baseline`` (``grpo-cli diff``'s
+    jackknife, :func:`~grpo_cli.commands.diff.change_interval`) for the figures that have one; empty for JSON."""
+    from_dump: bool = False
 
     def value(self, rule: Rule) -> float:
         """The baseline's figure for ``rule`` (exit 2 when it has none)."""
@@ -48,6 +53,11 @@ class Baseline:
             for key in sorted(self.config.keys() & config.keys())
             if key not in _CONFIG_NOT_COMPARED and self.config[key] != config[key]
         ]
+
+
+def is_json_baseline(paths: Sequence[str | Path]) -> bool:
+    """Whether ``--baseline`` names a JSON report (one ``.json`` file) rather than a rollout dump."""
+    return len(paths) == 1 and Path(paths[0]).suffix.lower() == ".json"
 
 
 def load_baseline(path: str | Path) -> Baseline:

@@ -70,19 +70,24 @@ def _bound_text(low: _Limit | None, high: _Limit | None, notes: list[str]) -> st
     return f"{text} ({'; '.join(notes)})" if notes else text
 
 
-def _excess(value: Any, low: _Limit | None, high: _Limit | None) -> float:
+def _excess(value: Any, low: _Limit | None, high: _Limit | None,
+            noise: tuple[float, float] | None = None) -> float:
     """How far ``value`` lies outside [low, high] (> 0: violated; ≤ 0: inside, by that margin).
 
     A non-finite or null value violates every rule (no figure grpo-cli reports is healthy at NaN or ±inf, and
-    ``null`` means the figure has no value, e.g. ``max_safe_lag`` when no lag is safe): +inf.
+    ``null`` means the figure has no value, e.g. ``max_safe_lag`` when no lag is safe): +inf. With ``noise``, the
+    value's interval ``(low, high)`` from a dump baseline's jackknife, a limit derived from the baseline is violated
+    only when the whole interval lies beyond it: the interval's end nearest the limit is compared instead.
     """
     if value is None:
         return math.inf
     v = float(value)
     if not math.isfinite(v):
         return math.inf
-    below = low.value - v if low is not None else -math.inf
-    above = v - high.value if high is not None else -math.inf
+    v_low = noise[1] if noise is not None and low is not None and low.derived else v
+    v_high = noise[0] if noise is not None and high is not None and high.derived else v
+    below = low.value - v_low if low is not None else -math.inf
+    above = v_high - high.value if high is not None else -math.inf
     return max(below, above)
 
 
@@ -104,6 +109,17 @@ def _describe(metric: str, value: Any, low: _Limit | None, high: _Limit | None) 
     return f"{metric} = {fmt(value)} is {side} {limit.text}{tail}"
 
 
+def _noise_note(result: RuleResult, baseline: Baseline | None, relative: bool, *, within: bool) -> str:
+    """With a dump baseline: the change, its interval and whether it is beyond the bound's noise."""
+    if baseline is None or not baseline.from_dump or not relative or result.change is None:
+        return ""
+    if result.change_low is None or result.change_high is None:
+        return (f"; change {fmt(result.change)} has no noise estimate (an extreme, a quantile or a constant): "
+                "compared as a fixed margin")
+    text = f"; change {fmt(result.change)}, interval [{fmt(result.change_low)}, {fmt(result.change_high)}]"
+    return text + (" — past the bound but within noise" if within else "")
+
+
 @dataclass
 class RuleResult:
     """A rule's outcome. With ``per``, ``value``/``group`` are the worst group's (the one furthest outside the
@@ -121,6 +137,9 @@ class RuleResult:
     """``value − baseline`` with a baseline, computed as ``diff`` does
     (:func:`~grpo_cli.commands.diff.relative_change`); ``rel_change`` divides it by ``|baseline|``."""
     rel_change: float | None = None
+    change_low: float | None = None
+    change_high: float | None = None
+    """With a dump baseline, the interval of ``change`` (``grpo-cli diff``'s jackknife); ``None`` otherwise."""
     message: str = ""
     n_groups: int | None = None
     violations: list[dict[str, Any]] = field(default_factory=list)
@@ -149,6 +168,8 @@ class RuleResult:
             "baseline": self.baseline,
             "change": self.change,
             "rel_change": self.rel_change,
+            "change_low": self.change_low,
+            "change_high": self.change_high,
             "per": rule.per,
             "group": self.group,
             "n_groups": self.n_groups,
@@ -208,20 +229,29 @@ def evaluate_rule(
             kind = "a list or table" if isinstance(value, (list, dict)) else type(value).__name__
             raise UsageError(f"{rule.source}: '{rule.metric}' is not a number ({kind}); rules need a scalar metric")
 
-    excess = [_excess(value, low, high) for _, value in candidates]
+    # A dump baseline's interval of the change applies to the overall figure (per-group values have none).
+    interval = baseline.intervals.get(rule.metric) if base is not None and baseline and rule.per is None else None
+    noise = None
+    if interval is not None and _is_number(candidates[0][1]):
+        noise = (float(base) + interval[0], float(base) + interval[1])  # type: ignore[arg-type]
+    excess = [_excess(value, low, high, noise) for _, value in candidates]
     worst = max(range(len(candidates)), key=lambda i: excess[i])  # first of equals: the smallest group key
     result.group, result.value = candidates[worst]
     if base is not None and _is_number(result.value):
         from grpo_cli.commands.diff import relative_change
 
         result.change, result.rel_change = relative_change(float(base), float(result.value))
+        if interval is not None:
+            result.change_low, result.change_high = interval
     violated = [i for i in sorted(range(len(candidates)), key=lambda i: -excess[i]) if excess[i] > 0]
     if rule.per is not None:
         result.n_groups = len(candidates)
         result.violations = [{"group": candidates[i][0], "value": candidates[i][1]} for i in violated]
+    noise_note = _noise_note(result, baseline, base is not None and rule.per is None,
+                             within=not violated and _excess(result.value, low, high) > 0)
     if not violated:
         if rule.per is None:
-            result.message = f"{rule.metric} = {fmt(result.value)}, {bound}"
+            result.message = f"{rule.metric} = {fmt(result.value)}, {bound}{noise_note}"
         else:
             plural = _PLURAL.get(rule.per, f"{rule.per} groups")
             result.message = (f"{rule.metric} {bound} in all {len(candidates)} {plural} "
@@ -229,7 +259,7 @@ def evaluate_rule(
         return result
 
     result.status = Status.FAIL if rule.severity is Severity.ERROR else Status.WARN
-    message = _describe(rule.metric, result.value, low, high)
+    message = _describe(rule.metric, result.value, low, high) + noise_note
     if rule.per is not None:
         shown = ", ".join(str(candidates[i][0]) for i in violated[:8]) + (", …" if len(violated) > 8 else "")
         plural = _PLURAL.get(rule.per, f"{rule.per} groups")

@@ -30,11 +30,11 @@ Example:
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from grpo_cli.commands._check_baseline import Baseline, load_baseline
+from grpo_cli.commands._check_baseline import Baseline, is_json_baseline, load_baseline
 from grpo_cli.commands._check_evaluate import RuleResult, evaluate_rule, evaluate_rules, finding_results, fmt
 from grpo_cli.commands._check_rules import (
     BOUND_KEYS,
@@ -48,6 +48,7 @@ from grpo_cli.commands._check_rules import (
     Severity,
     Status,
     _compare_prox_module,
+    _is_number,
     analyze_config,
     compare_prox_config,
     known_metrics,
@@ -90,6 +91,8 @@ __all__ = [
     "Status",
     "analyze_config",
     "check_groups",
+    "dump_baseline",
+    "is_json_baseline",
     "evaluate_rule",
     "fmt",
     "known_metrics",
@@ -168,13 +171,16 @@ class CheckReport:
         return f"{word} — {len(self.results)} rules: {', '.join(parts)}"
 
 
-def validate_rules(rules: Sequence[Rule], dataset: RolloutDataset, baseline: Baseline | None) -> None:
-    """Everything that can be checked before reading the data (all problems in one exit-2 message)."""
+def validate_rules(
+    rules: Sequence[Rule], dataset: RolloutDataset, baseline: Baseline | None, *, baseline_dump: bool = False
+) -> None:
+    """Everything that can be checked before reading the data (all problems in one exit-2 message);
+    ``baseline_dump``: the baseline is a dump, measured later."""
     known = known_metrics()
     problems = []
     for rule in rules:
         problems.extend(metric_problems(rule.metric, rule.source, known))
-        if rule.needs_baseline and baseline is None:
+        if rule.needs_baseline and baseline is None and not baseline_dump:
             problems.append(f"{rule.source} ({rule.metric}): max_rel_increase/max_abs_change need --baseline")
         if rule.per is not None and rule.is_prox:
             problems.append(f"{rule.source} ({rule.metric}): 'per' is not supported for prox/ keys "
@@ -250,6 +256,45 @@ def check_groups(
     return chosen, diagnosis
 
 
+def dump_baseline(
+    base: RolloutDataset,
+    dataset: RolloutDataset,
+    rules: Sequence[Rule],
+    config: AnalyzeConfig,
+    metrics: Mapping[str, Any],
+    z: float | None = None,
+) -> Baseline:
+    """A baseline measured from a rollout dump, with each baseline-relative rule's change interval.
+
+    Both runs are streamed once more through the groups of those rules' metrics, split into blocks, and each
+    figure's change gets the interval ``grpo-cli diff`` gives it (delete-a-block jackknife over both runs,
+    :func:`grpo_cli.commands.diff.measure` and :func:`~grpo_cli.commands.diff.change_interval`, ``z`` default
+    :data:`~grpo_cli.commands.diff.DEFAULT_Z`). Figures without an interval (extremes, quantiles, constants) are
+    compared as fixed margins. ``metrics`` are this run's figures from the main pass (the values the rules test).
+    """
+    from grpo_cli.commands.diff import DEFAULT_Z, DiffConfig, change_interval, measure
+
+    relative = [r for r in rules if r.needs_baseline and not r.is_prox]
+    groups, _ = check_groups(relative, select=[])
+    options = DiffConfig(**{f.name: getattr(config, f.name) for f in fields(config)}, z=z or DEFAULT_Z)
+    base_run = measure(base, options, "baseline", groups=groups)
+    new_run = measure(dataset, options, "new", groups=groups)
+    base_metrics = dict(base_run.result.metrics)
+    base_metrics.update(sanity_figures(base_metrics))
+    intervals: dict[str, tuple[float, float]] = {}
+    for rule in relative:
+        b, n = base_metrics.get(rule.metric), metrics.get(rule.metric)
+        if b is None or n is None or not (_is_number(b) and _is_number(n)):
+            continue
+        change = change_interval(float(b), float(n), base_run.variances.get(rule.metric),
+                                 new_run.variances.get(rule.metric), options.z,
+                                 dof_base=base_run.n_blocks - 1, dof_new=new_run.n_blocks - 1)
+        if change.low is not None and change.high is not None:
+            intervals[rule.metric] = (change.low, change.high)
+    return Baseline(", ".join(base_run.result.inputs), base_metrics, dict(base_run.result.config),
+                    dict(base_run.result.omitted), intervals=intervals, from_dump=True)
+
+
 def run_check(
     dataset: RolloutDataset,
     rule_set: RuleSet,
@@ -263,6 +308,7 @@ def run_check(
     select: Sequence[str] | None = None,
     ignore: Sequence[str] = (),
     all_figures: bool = False,
+    baseline_dump: RolloutDataset | None = None,
 ) -> CheckReport:
     """Compute the figures the rules need, evaluate every rule and run the detectors as built-in rules.
 
@@ -273,7 +319,8 @@ def run_check(
 
     Only the metric groups of the rules' metrics and the chosen detectors' inputs run (:func:`check_groups`), with
     the same rule results and findings as computing everything; ``all_figures`` (``--save-baseline``) computes every
-    figure.
+    figure. ``baseline_dump`` (instead of ``baseline``) is a baseline run's rollout dump: the baseline-relative
+    bounds then fail only when the change is beyond noise (:func:`dump_baseline`).
 
     Raises:
         UsageError: unknown metrics, bad ``per`` columns, missing baseline values, rules on metrics the dump cannot
@@ -283,7 +330,7 @@ def run_check(
     from grpo_cli.commands.analyze import analyze
 
     rules = rule_set.rules
-    validate_rules(rules, dataset, baseline)
+    validate_rules(rules, dataset, baseline, baseline_dump=baseline_dump is not None)
     per_columns = list(dict.fromkeys(r.per for r in rules if r.per is not None))
     # One pass per grouping column; the first also gives the overall figures.
     metric_groups, diagnosis = check_groups(rules, select, ignore) if not all_figures else (None, None)
@@ -309,6 +356,8 @@ def run_check(
         omitted.update(prox_omitted)
         report_config["compare_prox"] = prox_config
 
+    if baseline_dump is not None and any(r.needs_baseline for r in rules):
+        baseline = dump_baseline(baseline_dump, dataset, rules, config, metrics)
     results = evaluate_rules(rules, metrics, groups, baseline, omitted)
     chosen = select_findings(first.findings, select, ignore)
     results = finding_results(chosen) + results
