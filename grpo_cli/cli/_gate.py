@@ -107,13 +107,11 @@ def check(
     import os
     import time
 
-    from grpo_cli.commands.check import RuleSet, analyze_config, is_json_baseline, load_baseline, load_rules, run_check
-    from grpo_cli.commands.check import preset as rule_preset
-    from grpo_cli.errors import CheckFailed
+    from grpo_cli.commands._check_rules import RuleSet, load_rules
+    from grpo_cli.commands._check_rules import preset as rule_preset
     from grpo_cli.findings import DetectConfig, check_patterns
-    from grpo_cli.render.check import check_document, github_commands, junit_xml, markdown_summary, render_check_table
-    from grpo_cli.render.documents import dumps_json
 
+    # Usage errors first, torch-free: a bad rules file costs no torch import (grpo_cli/_keys.py).
     check_patterns(select or [], "--select")
     check_patterns(ignore or [], "--ignore")
     rule_set = RuleSet()
@@ -121,6 +119,11 @@ def check(
         rule_set = rule_set.merge(load_rules(path))
     if rules_preset is not None:
         rule_set = rule_set.merge(rule_preset(rules_preset))
+
+    from grpo_cli.commands.check import analyze_config, is_json_baseline, load_baseline, run_check
+    from grpo_cli.errors import CheckFailed
+    from grpo_cli.render.check import check_document, github_commands, junit_xml, markdown_summary, render_check_table
+    from grpo_cli.render.documents import dumps_json
     config, require_valid = analyze_config(
         rule_set,
         all_figures=save_baseline is not None,

@@ -15,8 +15,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from grpo_cli.engine.config import GROUP_BY_COLUMNS as PER_COLUMNS  # the columns `analyze --group-by` accepts
+from grpo_cli import _keys
 from grpo_cli.errors import UsageError
+
+PER_COLUMNS = _keys.GROUP_BY_COLUMNS
+"""The per-sequence integer columns ``per`` (and ``analyze --group-by``) take by name."""
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -220,10 +223,9 @@ def parse_rules(text: str, source: str = "rules") -> RuleSet:
             problems.append(f"'{table}' must be a table: write [{table}]")
             values = {}
         options[table] = values
-    problems.extend(_option_problems("analyze", options["analyze"], _analyze_config_type())[1])
-    prox_module = _compare_prox_module()
-    if prox_module is not None:
-        problems.extend(_option_problems("compare_prox", options["compare_prox"], prox_module.CompareProxConfig)[1])
+    # The generated option tables (grpo_cli/_keys.py): a rules file is validated without importing torch.
+    problems.extend(_option_problems("analyze", options["analyze"], _keys.ANALYZE_OPTIONS)[1])
+    problems.extend(_option_problems("compare_prox", options["compare_prox"], _keys.COMPARE_PROX_OPTIONS)[1])
     if problems:
         raise UsageError(f"{source}: " + "; ".join(problems))
     return RuleSet(rules, options["analyze"], options["compare_prox"], [source])
@@ -278,23 +280,20 @@ def preset(name: str) -> RuleSet:
     return RuleSet(PRESETS[name](), sources=[f"preset {name}"])
 
 
-def _analyze_config_type() -> type:
-    from grpo_cli.metrics.config import AnalyzeConfig
-
-    return AnalyzeConfig
-
-
 def _coerce_options(table: str, values: Mapping[str, Any], config_type: type) -> dict[str, Any]:
     """Check ``[table]`` keys against the dataclass fields of ``config_type`` and their declared types."""
-    out, problems = _option_problems(table, values, config_type)
+    out, problems = _option_problems(table, values, {f.name: str(f.type) for f in fields(config_type)})
     if problems:
         raise UsageError("; ".join(problems))
     return out
 
 
-def _option_problems(table: str, values: Mapping[str, Any], config_type: type) -> tuple[dict[str, Any], list[str]]:
-    """The typed ``[table]`` options and every problem found in them (unknown keys, wrong types)."""
-    allowed = {f.name: str(f.type) for f in fields(config_type) if f.name not in _NOT_FROM_FILE}
+def _option_problems(
+    table: str, values: Mapping[str, Any], types: Mapping[str, str]
+) -> tuple[dict[str, Any], list[str]]:
+    """The typed ``[table]`` options and every problem found in them (unknown keys, wrong types); ``types`` maps a
+    config's field names to their declared types."""
+    allowed = {name: kind for name, kind in types.items() if name not in _NOT_FROM_FILE}
     out: dict[str, Any] = {}
     problems = []
     for key, value in values.items():
@@ -339,10 +338,9 @@ def analyze_config(rule_set: RuleSet, *, all_figures: bool = False, **overrides:
     require_valid = "on_invalid" not in values
     values.setdefault("on_invalid", "skip")
     if not all_figures and "losses" not in values:
-        from grpo_cli.metrics.registry import KEYS
-
         # Unknown names are left to run_check, which lists close matches.
-        named = {r.metric.split("/", 1)[1] for r in rule_set.rules if r.metric.startswith("loss/") and r.metric in KEYS}
+        named = {r.metric.split("/", 1)[1] for r in rule_set.rules
+                 if r.metric.startswith("loss/") and r.metric in _keys.KEYS}
         if "clip/dual" in {rule.metric for rule in rule_set.rules}:
             named.add("ppo")  # the dual-clip count comes with AReaL's PPO loss
         values["losses"] = tuple(sorted(named))
@@ -404,28 +402,19 @@ def _compare_prox_module() -> ModuleType | None:
 def metric_problems(metric: str, where: str, known: set[str] | None = None) -> list[str]:
     """What is wrong with a rule's ``metric`` before any data is read: an unknown key (with close matches) or a
     key whose value is a list or table (``top_kl``): rules compare one number against bounds."""
-    from grpo_cli.metrics.registry import KEYS
-
     known = known_metrics() if known is None else known
     if metric not in known:
         return [f"{where}: unknown metric '{metric}'{_close(metric, known)}"]
-    figure = KEYS.get(metric)
-    if figure is not None and figure.reduce == "table":
+    if _keys.KEYS.get(metric) == "table":
         return [f"{where}: '{metric}' is a list (a table of rows), and lists cannot be rules; rules need a "
                 "scalar metric"]
     return []
 
 
 def known_metrics() -> set[str]:
-    """Every key a rule may name: the documented keys (``grpo_cli.metrics.registry``) and every ``compare-prox`` key."""
-    from grpo_cli.metrics.registry import KEYS
-
-    known = set(KEYS)
-    module = _compare_prox_module()
-    if module is not None:
-        known |= set(module.expected_keys(module.CompareProxConfig()))
-    return known
-
+    """Every key a rule may name: the documented keys (``grpo_cli.metrics.registry``) and every ``compare-prox`` key,
+    from their torch-free copy ``grpo_cli/_keys.py`` (a test keeps it equal to the declarations)."""
+    return {*_keys.KEYS, *_keys.PROX_KEYS}
 
 
 def compare_prox_config(
