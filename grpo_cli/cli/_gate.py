@@ -67,9 +67,9 @@ def check(
         str | None, typer.Option("--rules-preset", help="Built-in rule set needing no file: sanity.")
     ] = None,
     baseline: Annotated[
-        Path | None,
-        typer.Option("--baseline", help="Earlier `analyze`/`check --format json` output (for max_rel_increase, "
-                     "max_abs_change)."),
+        list[Path] | None,
+        typer.Option("--baseline", help="Earlier `analyze`/`check --format json` output, or the baseline run's "
+                     "dump (repeatable; bounds then fail only beyond noise), for max_rel_increase, max_abs_change."),
     ] = None,
     save_baseline: Annotated[
         Path | None, typer.Option("--save-baseline", help="Also write this run's figures as a baseline JSON.")
@@ -110,13 +110,11 @@ def check(
     import os
     import time
 
-    from grpo_cli.commands.check import RuleSet, analyze_config, load_baseline, load_rules, run_check
-    from grpo_cli.commands.check import preset as rule_preset
-    from grpo_cli.errors import CheckFailed
+    from grpo_cli.commands._check_rules import RuleSet, load_rules
+    from grpo_cli.commands._check_rules import preset as rule_preset
     from grpo_cli.findings import DetectConfig, check_patterns
-    from grpo_cli.render.check import check_document, github_commands, junit_xml, markdown_summary, render_check_table
-    from grpo_cli.render.documents import dumps_json
 
+    # Usage errors first, torch-free: a bad rules file costs no torch import (grpo_cli/_keys.json).
     check_patterns(select or [], "--select")
     check_patterns(ignore or [], "--ignore")
     rule_set = RuleSet()
@@ -124,6 +122,11 @@ def check(
         rule_set = rule_set.merge(load_rules(path))
     if rules_preset is not None:
         rule_set = rule_set.merge(rule_preset(rules_preset))
+
+    from grpo_cli.commands.check import analyze_config, is_json_baseline, load_baseline, run_check
+    from grpo_cli.errors import CheckFailed
+    from grpo_cli.render.check import check_document, github_commands, junit_xml, markdown_summary, render_check_table
+    from grpo_cli.render.documents import dumps_json
     config, require_valid = analyze_config(
         rule_set,
         all_figures=save_baseline is not None,
@@ -136,17 +139,20 @@ def check(
     )
     for note in config.ppo_notes():
         typer.echo(f"grpo-cli: warning: {note}", err=True)
-    base = load_baseline(baseline) if baseline is not None else None
+    json_baseline = bool(baseline) and is_json_baseline(baseline or [])
+    base = load_baseline((baseline or [])[0]) if json_baseline else None
     dataset = open_input(paths, column_map, preset)
     # The dump's recorded options fill what neither the command line nor the rules' [analyze] table set.
     options, from_metadata = metadata_defaults(ctx, dataset.files, config, fixed=rule_set.analyze)
     config = with_options(config, options)
+    base_dump = open_input([str(p) for p in baseline], column_map, preset) if baseline and not json_baseline else None
     started = time.perf_counter()
     with progress_bar(dataset.n_tokens, quiet) as progress:
         report = run_check(dataset, rule_set, config, baseline=base, warn_only=warn_only,
                            require_valid_input=require_valid, progress=progress,
                            findings=DetectConfig(max_staleness=max_staleness, prox_approximation=prox_approximation),
-                           select=select or None, ignore=ignore or ())
+                           select=select or None, ignore=ignore or (), all_figures=save_baseline is not None,
+                           baseline_dump=base_dump)
     elapsed = time.perf_counter() - started
     if from_metadata:
         report.config["from_metadata"] = from_metadata

@@ -23,11 +23,13 @@ def analyze(
     workers: int = 1,
     findings: DetectConfig | None = None,
     select: Sequence[str] = (),
+    diagnosis: Sequence[str] | None = None,
 ) -> AnalysisResult:
     """Run every metric group (default: :func:`~grpo_cli.metrics.default_groups`) over the whole dataset in one
     streaming pass (see :func:`grpo_cli.engine.run.run`); with ``findings`` (what the run corrects for), also the
     findings-only statistics and the findings they support (``result.findings``); ``select`` (group names or key
-    patterns, :func:`~grpo_cli.metrics.select_groups`) computes only those groups.
+    patterns, :func:`~grpo_cli.metrics.select_groups`) computes only those groups, and ``diagnosis`` (names of
+    findings-only groups, default all) only those of the findings' statistics.
 
     Example:
         >>> from grpo_cli import AnalyzeConfig, RolloutDataset, analyze
@@ -39,7 +41,7 @@ def analyze(
     if select:
         groups = select_groups(groups, select)  # compute only what is asked
     if findings is not None:
-        groups = [*groups, *diagnosis_groups()]
+        groups = [*groups, *(g for g in diagnosis_groups() if diagnosis is None or g.name in diagnosis)]
     result = run(dataset, groups, config, progress=progress, workers=workers)
     result.config["ratio_base"] = ratio_base(dataset)
     if findings is not None:

@@ -13,7 +13,7 @@ from importlib import resources
 from typing import Any
 
 from grpo_cli.errors import UsageError
-from grpo_cli.findings.detect import CATEGORIES, CODES, SEVERITIES, DetectConfig, Finding, detect
+from grpo_cli.findings.detect import CATEGORIES, CODES, SEVERITIES, DetectConfig, Finding, detect, detector_inputs
 
 __all__ = [
     "CATEGORIES",
@@ -22,9 +22,11 @@ __all__ = [
     "DetectConfig",
     "Finding",
     "detect",
+    "detector_inputs",
     "diagnose",
     "explain",
     "select",
+    "selected_codes",
     "severity_counts",
     "verdict",
 ]
@@ -56,6 +58,12 @@ def select(
     in ``exclude``."""
     return [dict(f) for f in findings
             if (include is None or _matches(f, include)) and not _matches(f, exclude)]
+
+
+def selected_codes(include: Sequence[str] | None = None, exclude: Sequence[str] = ()) -> list[str]:
+    """The codes whose findings :func:`select` keeps for these ``include``/``exclude`` patterns."""
+    return [code for code, (category, _) in CODES.items()
+            if select([{"code": code, "category": category}], include, exclude)]
 
 
 def severity_counts(findings: Sequence[Mapping[str, Any]]) -> dict[str, int]:

@@ -12,7 +12,7 @@ from grpo_cli.metrics import default_groups
 from grpo_cli.metrics.adv_check import ADV_CHECK_FIGURES
 from grpo_cli.metrics.prox import ProxCompareGroup
 
-__all__ = ["CHECK_FIGURES", "KEYS", "SECTIONS", "all_figures", "section_of"]
+__all__ = ["CHECK_FIGURES", "KEYS", "SECTIONS", "all_figures", "keys_json", "section_of"]
 
 SECTIONS: dict[str, str] = {
     "dump": "What was read",
@@ -81,3 +81,26 @@ def section_of(key: str) -> str:
         return KEYS[key].section or "other"
     prefix = key.split("/", 1)[0]
     return prefix if prefix in SECTIONS else "other"
+
+
+def keys_json() -> str:
+    """The text of ``grpo_cli/_keys.json``: the key names (with their reductions), the compare-prox keys, the
+    ``[analyze]``/``[compare_prox]`` option types and the ``per`` columns, derived from the declarations here, so
+    that ``check`` validates a rules file without importing torch (``grpo_cli._keys`` loads it).
+    ``tests/test_keys_module.py`` fails when the file differs from this text and says how to regenerate it.
+    """
+    import json
+    from dataclasses import fields
+
+    from grpo_cli.engine.config import GROUP_BY_COLUMNS
+    from grpo_cli.metrics.config import AnalyzeConfig
+    from grpo_cli.metrics.prox import CompareProxConfig, expected_keys
+
+    data = {
+        "keys": {key: str(figure.reduce) for key, figure in KEYS.items()},
+        "prox_keys": expected_keys(CompareProxConfig()),
+        "analyze_options": {f.name: str(f.type) for f in fields(AnalyzeConfig)},
+        "compare_prox_options": {f.name: str(f.type) for f in fields(CompareProxConfig)},
+        "group_by_columns": list(GROUP_BY_COLUMNS),
+    }
+    return json.dumps(data, indent=1, ensure_ascii=False) + "\n"

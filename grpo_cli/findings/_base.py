@@ -1,0 +1,278 @@
+"""What every detector shares: the codes and categories, :class:`DetectConfig`, :class:`Finding`, and the plumbing
+that reads figures (numbers, per-step series, trends) and grades and caps severities."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from grpo_cli.findings.thresholds import MIN_FLAGGED_SEQUENCES, MIN_SEQUENCES, MIN_TOKENS
+
+SEVERITIES = ("info", "warning", "error")
+CATEGORIES = (
+    "alignment", "temperature", "truncated-sampling", "mask", "weight-sync", "mismatch", "advantage", "no-signal",
+    "reference", "duplicates", "entropy-collapse", "length-truncation", "clipping", "importance-weights",
+    "staleness", "prox-approximation",
+)
+#: code → (category, short name)
+CODES: dict[str, tuple[str, str]] = {
+    "GRP101": ("alignment", "old_logp shifted against new_logp"),
+    "GRP102": ("temperature", "behaviour and training log-probs at different temperatures"),
+    "GRP103": ("truncated-sampling", "behaviour log-probs renormalised over a truncated set"),
+    "GRP104": ("mask", "prompt or padding tokens in the loss"),
+    "GRP105": ("mask", "response tokens missing from the loss"),
+    "GRP106": ("reference", "ref_logp is not a reference policy"),
+    "GRP107": ("duplicates", "sequences counted more than once"),
+    "GRP201": ("weight-sync", "train/inference disagreement grows step by step at lag 0"),
+    "GRP202": ("mismatch", "train/inference disagreement above bf16 level"),
+    "GRP203": ("importance-weights", "heavy-tailed importance weights"),
+    "GRP204": ("staleness", "lags beyond what the run corrects"),
+    "GRP205": ("prox-approximation", "approximated proximal policy beyond its safe lag"),
+    "GRP206": ("clipping", "clip fraction signals too large an update"),
+    "GRP301": ("advantage", "advantage sign opposite to reward"),
+    "GRP302": ("advantage", "advantages not centred within groups"),
+    "GRP303": ("advantage", "advantage scale inconsistent across groups"),
+    "GRP304": ("no-signal", "most groups have zero reward variance"),
+    "GRP401": ("entropy-collapse", "entropy falls towards zero over steps"),
+    "GRP402": ("length-truncation", "many responses cut at the length limit"),
+}
+
+
+@dataclass(frozen=True)
+class DetectConfig:
+    """What :func:`detect` knows about the run beyond the figures.
+
+    Attributes:
+        max_staleness: the largest lag the run's correction is meant for (TRL ``async_grpo`` ``max_staleness``
+            defaults to 4; AReaL's ``max_head_offpolicyness`` bounds it at rollout time).
+        prox_approximation: ``"loglinear"`` or ``"linear"`` when the run uses AReaL's ``prox_logp_method``
+            approximation instead of recomputing, else ``None``.
+        min_tokens, min_sequences: the small-dump limits.
+    """
+
+    max_staleness: int = 4
+    prox_approximation: str | None = None
+    min_tokens: int = MIN_TOKENS
+    min_sequences: int = MIN_SEQUENCES
+
+
+@dataclass(frozen=True)
+class Detector:
+    """One detector and what it reads, so a command can compute only the inputs of the detectors it runs.
+
+    Attributes:
+        run: the detector: figures in, findings out.
+        codes: the codes it may report.
+        groups: the findings-only groups (``diag/shift``, … of :mod:`grpo_cli.metrics.diagnosis`) whose ``diag/*``
+            values it reads.
+        keys: the reported figures it reads (keys or key patterns, as ``analyze --select`` takes them); the dump
+            counts (``n_valid_tokens``, ``n_sequences``) every run has are not listed.
+    """
+
+    run: Callable[[_Ctx], list[Finding]]
+    codes: tuple[str, ...]
+    groups: tuple[str, ...] = ()
+    keys: tuple[str, ...] = ()
+
+
+@dataclass
+class Finding:
+    """One diagnostic.
+
+    Attributes:
+        code: stable code (``GRP101`` …), ``docs/findings.md`` explains it.
+        category: one of :data:`CATEGORIES`.
+        severity: ``info``, ``warning`` or ``error``.
+        title: one line.
+        evidence: figure → ``{"value": …, "threshold": …}`` (and ``"ci"`` where the statistic is noisy).
+        where: steps, lags, groups, and the worst sequences as ``{"file", "row", …}``.
+        fix: what to change in the trainer.
+        notes: why the severity was capped, if it was.
+    """
+
+    code: str
+    category: str
+    severity: str
+    title: str
+    evidence: dict[str, dict[str, Any]]
+    where: dict[str, Any] = field(default_factory=dict)
+    fix: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------------
+def _num(fig: Mapping[str, Any], key: str) -> float | None:
+    v = fig.get(key)
+    if isinstance(v, bool) or v is None:
+        return None
+    if isinstance(v, (int, float)) and math.isfinite(float(v)):
+        return float(v)
+    return None
+
+
+def _grade(value: float, warning: float, error: float | None = None, *, below: bool = False) -> str | None:
+    """``error``/``warning`` when ``value`` passes the thresholds (from above, or from below with ``below``)."""
+    passes: Callable[[float], bool] = (lambda t: value <= t) if below else (lambda t: value >= t)
+    if error is not None and passes(error):
+        return "error"
+    if passes(warning):
+        return "warning"
+    return None
+
+
+def _cap(severity: str, notes: list[str], why: str) -> str:
+    if severity != "info":
+        notes.append(why)
+    return "info"
+
+
+def _few(severity: str | None, n: int, what: str) -> tuple[str, list[str]]:
+    """``severity`` (``info`` when ``None``) and its notes, capped at ``info`` when only ``n`` <
+    :data:`MIN_FLAGGED_SEQUENCES` sequences or groups (``what``) are flagged: a handful is not a pattern."""
+    notes: list[str] = []
+    severity = severity or "info"
+    if n < MIN_FLAGGED_SEQUENCES:
+        severity = _cap(severity, notes, f"only {n} {what}")
+    return severity, notes
+
+
+def _ev(value: Any, threshold: Any, **extra: Any) -> dict[str, Any]:
+    return {"value": value, "threshold": threshold, **extra}
+
+
+def _sequences(rows: Any, limit: int = 5) -> list[dict[str, Any]]:
+    out = []
+    for r in (rows or [])[:limit]:
+        item = {"file": r.get("file"), "row": r.get("row")}
+        if r.get("step") is not None:
+            item["step"] = r["step"]
+        if "score" in r:
+            item["score"] = r["score"]
+        out.append(item)
+    return out
+
+
+def per_step_rows(per_step: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
+    """``--group-by step`` groups (``{"key": {"step": s} or s, "metrics": {…}}``) or already flat rows with a
+    ``step`` key, as flat rows sorted by step."""
+    rows = []
+    for g in per_step or []:
+        if "metrics" in g:
+            key = g.get("key")
+            step = key.get("step") if isinstance(key, Mapping) else key
+            rows.append({"step": step, **g["metrics"]})
+        else:
+            rows.append(dict(g))
+    return sorted((r for r in rows if isinstance(r.get("step"), (int, float))), key=lambda r: r["step"])
+
+
+def _series(fig: Mapping[str, Any], steps: list[dict[str, Any]], diag_key: str, existing: str | None) -> list[
+    tuple[int, float, float]
+]:
+    """(step, value, weight) from ``diag/by_step`` rows (preferred) or from per-step figures."""
+    out: list[tuple[int, float, float]] = []
+    for r in fig.get("diag/by_step") or []:
+        v = r.get(diag_key)
+        if v is not None and math.isfinite(v):
+            if diag_key.startswith("lag0"):
+                w = r.get("lag0_n_tokens")
+            elif diag_key in ("no_eos_frac", "reward_mean"):
+                w = r.get("n_sequences")
+            else:
+                w = r.get("n_tokens", 1)
+            out.append((int(r["step"]), float(v), float(w or 1)))
+    if out or existing is None:
+        return out
+    for r in steps:
+        if existing == "by_staleness/lag0":
+            rows = [b for b in r.get("by_staleness") or [] if b.get("lag") == 0]
+            if rows and rows[0].get("abs_diff/mean") is not None:
+                out.append((int(r["step"]), float(rows[0]["abs_diff/mean"]), float(rows[0].get("n_tokens", 1))))
+        else:
+            v = _num(r, existing)
+            if v is not None:
+                out.append((int(r["step"]), v, float(r.get("n_valid_tokens", 1) or 1)))
+    return out
+
+
+def _halves(series: list[tuple[int, float, float]], part: float = 0.5) -> tuple[float, float] | None:
+    """Weighted means of the first and last ``part`` of the steps (at least one step each)."""
+    if len(series) < 4:
+        return None
+    k = max(1, int(len(series) * part))
+
+    def mean(xs: list[tuple[int, float, float]]) -> float:
+        w = sum(x[2] for x in xs)
+        return sum(x[1] * x[2] for x in xs) / w if w else math.nan
+
+    return mean(series[:k]), mean(series[-k:])
+
+
+
+class _Ctx:
+    def __init__(self, fig: Mapping[str, Any], steps: list[dict[str, Any]], cfg: DetectConfig) -> None:
+        self.fig, self.steps, self.cfg = fig, steps, cfg
+        n_tok = _num(fig, "n_valid_tokens")
+        n_seq = _num(fig, "n_sequences")
+        if n_tok is None:
+            n_tok = sum(r.get("n_tokens", 0) for r in fig.get("diag/by_step") or []) or None
+        if n_seq is None:
+            n_seq = sum(r.get("n_sequences", 0) for r in fig.get("diag/by_step") or []) or None
+        self.n_tokens, self.n_sequences = n_tok, n_seq
+        self.small = (n_tok is not None and n_tok < cfg.min_tokens) or (
+            n_seq is not None and n_seq < cfg.min_sequences
+        )
+
+    def finish(self, f: Finding) -> Finding:
+        if self.small and f.severity != "info":
+            f.severity = _cap(
+                f.severity, f.notes,
+                f"small dump ({int(self.n_tokens or 0)} valid tokens, {int(self.n_sequences or 0)} sequences; "
+                f"limits {self.cfg.min_tokens} and {self.cfg.min_sequences})",
+            )
+        return f
+
+
+
+def _max_sev(a: str | None, b: str | None) -> str | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a if SEVERITIES.index(a) >= SEVERITIES.index(b) else b
+
+
+
+def _trend(series: list[tuple[int, float, float]]) -> tuple[float, float, float] | None:
+    """(Spearman rank correlation of value with step, fitted first value, fitted last value) of a per-step series
+    (least-squares line over the steps, unweighted), or ``None`` below 4 steps."""
+    if len(series) < 4:
+        return None
+    xs = [float(s) for s, _, _ in series]
+    ys = [v for _, v, _ in series]
+    n = len(xs)
+
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(n), key=lambda i: v[i])
+        out = [0.0] * n
+        for r, i in enumerate(order):
+            out[i] = float(r)
+        return out
+
+    def corr(a: list[float], b: list[float]) -> float:
+        ma, mb = sum(a) / n, sum(b) / n
+        cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+        va = sum((x - ma) ** 2 for x in a)
+        vb = sum((y - mb) ** 2 for y in b)
+        return cov / math.sqrt(va * vb) if va > 0 and vb > 0 else 0.0
+
+    mx, my = sum(xs) / n, sum(ys) / n
+    vx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / vx if vx > 0 else 0.0
+    return corr(ranks(xs), ranks(ys)), my + slope * (xs[0] - mx), my + slope * (xs[-1] - mx)
+

@@ -1,0 +1,344 @@
+"""GRP2xx: trainer against inference engine and off-policy data — weight sync, numeric mismatch, importance
+weights, staleness, the proximal approximation, clipping."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+from typing import Any
+
+from grpo_cli.findings._base import (
+    Detector,
+    Finding,
+    _cap,
+    _Ctx,
+    _ev,
+    _grade,
+    _max_sev,
+    _num,
+    _sequences,
+    _series,
+    _trend,
+)
+from grpo_cli.findings.thresholds import (
+    BIG_SEQ_WARNING,
+    CLIP_ERROR,
+    CLIP_WARNING,
+    ESS_WARNING,
+    MIN_FLAGGED_SEQUENCES,
+    MULT_ERROR_ERROR,
+    MULT_ERROR_WARNING,
+    PROX_BEYOND_WARNING,
+    PROX_INFO_LAG,
+    STALE_ERROR,
+    STALE_WARNING,
+    SYNC_DRIFT_RATIO,
+    SYNC_LAG0_SPREAD,
+    SYNC_LAG_DRIFT,
+    SYNC_MIN_RISE,
+    SYNC_RANK_CORR,
+    SYNC_RATIO_ERROR,
+    SYNC_RATIO_WARNING,
+    TAIL_ERROR,
+    TAIL_WARNING,
+)
+
+
+def _lag_excess(f: Mapping[str, Any]) -> list[tuple[int, float, float]]:
+    """Per step, the largest excess of a sequence's mean |new − old| over the typical value at its lag (the median
+    over steps of ``diag/by_step_lag`` ``abs_diff_mean``): a stale engine raises it at every lag, so it shows even in
+    steps where the broken worker produced no lag-0 sequence. Only when some step's worst lag-0 sequence is at
+    least SYNC_LAG0_SPREAD times another step's (an engine out of sync at lag 0) and the policy's own change per
+    version
+    (``prox_abs_diff_mean`` of ``diag/by_step``) does not rise (fitted last/first < SYNC_DRIFT_RATIO): a larger
+    policy step (GRP206, GRP401) raises the lag > 0 disagreement too."""
+    rows = f.get("diag/by_step_lag") or []
+    lag0 = [r["lag0_seq_max"] for r in f.get("diag/by_step") or [] if r.get("lag0_seq_max") is not None]
+    if not lag0 or min(lag0) <= 0 or max(lag0) < SYNC_LAG0_SPREAD * min(lag0):
+        return []  # no step has lag-0 sequences far off the others: no engine is out of sync at lag 0
+    drift = [(int(r["step"]), float(r["prox_abs_diff_mean"]), 1.0) for r in f.get("diag/by_step") or []
+             if r.get("prox_abs_diff_mean") is not None]
+    t = _trend(drift)
+    if not rows or t is None or t[1] <= 0 or t[2] / t[1] >= SYNC_DRIFT_RATIO:
+        return []
+    base: dict[int, float] = {}
+    for lag in {r["lag"] for r in rows}:
+        base[lag] = statistics.median(r["abs_diff_mean"] for r in rows if r["lag"] == lag)
+    out = []
+    for step in sorted({r["step"] for r in rows}):
+        xs = [r["seq_max"] - base[r["lag"]] for r in rows if r["step"] == step and r.get("seq_max") is not None]
+        if xs:
+            out.append((step, max(xs), 1.0))
+    return out
+
+
+def _median_drift(f: Mapping[str, Any]) -> float:
+    """The median over steps of mean |new − prox| (the policy's change over one version)."""
+    values = [r["prox_abs_diff_mean"] for r in f.get("diag/by_step") or [] if r.get("prox_abs_diff_mean") is not None]
+    return statistics.median(values) if values else math.inf
+
+
+def _weight_sync(c: _Ctx) -> list[Finding]:
+    f = c.fig
+    notes: list[str] = []
+    candidates = [
+        ("lag0_seq_max", _series(f, c.steps, "lag0_seq_max", None)),
+        ("lag0_abs_diff_mean", _series(f, c.steps, "lag0_abs_diff_mean", "by_staleness/lag0")),
+    ]
+    excess = _lag_excess(f)
+    if excess:
+        candidates.append(("lag_excess", excess))
+    if not any(s for _, s in candidates):
+        candidates = [("abs_diff_mean", _series(f, c.steps, "abs_diff_mean", "kl/abs_diff_mean"))]
+        notes.append("no versions: the disagreement could not be restricted to lag 0")
+    best: tuple[str, str, float, float, float, list[tuple[int, float, float]]] | None = None
+    for key, series in candidates:
+        t = _trend(series)
+        if t is None:
+            continue
+        rho, start, end = t
+        if rho < SYNC_RANK_CORR or end - start < SYNC_MIN_RISE or start <= 0:
+            continue
+        if key == "lag_excess" and end - start < _median_drift(f):
+            continue  # within what one version of the policy's own change explains
+        ratio = end / start
+        sev = _grade(ratio, SYNC_RATIO_WARNING, SYNC_RATIO_ERROR)
+        if sev is not None and (best is None or ratio > best[3]):
+            best = (key, sev, rho, ratio, end - start, series)
+    if best is None:
+        return []
+    key, sev, rho, ratio, rise, series = best
+    lag_series = _series(f, c.steps, "lag_mean", "staleness/theta_mean")
+    lt = _trend(lag_series)
+    if lt is not None and lt[2] - lt[1] > SYNC_LAG_DRIFT:
+        sev = _cap(sev, notes, f"the recorded lag rises too ({lt[1]:.2f} → {lt[2]:.2f}): this may be staleness")
+    if key == "abs_diff_mean":
+        sev = _cap(sev, notes, "lag unknown")
+    first, last = series[0][1], series[-1][1]
+    title = (
+        f"train/inference disagreement at recorded lag 0 grows step by step ({key} {first:.3f} → {last:.3f} "
+        f"nats, fitted ×{ratio:.1f}) while the recorded lag does not: the engine seems to sample with stale weights"
+    )
+    ev = {
+        f"diag/by_step[{key}] fitted last/first": _ev(ratio, SYNC_RATIO_WARNING),
+        f"diag/by_step[{key}] fitted rise": _ev(rise, SYNC_MIN_RISE),
+        f"diag/by_step[{key}] rank correlation with step": _ev(rho, SYNC_RANK_CORR),
+    }
+    fix = (
+        "Check the weight update of the inference engine after every optimiser step (the refit/broadcast "
+        "succeeded on every engine and rank; the version counter is bumped only after the new weights are "
+        "loaded). AReaL: `update_weights` then `set_version`; verl/slime: the rollout weight sync. A stale engine "
+        "whose version stamp advances looks exactly like this; if one worker is affected, its sequences lead "
+        "`where`."
+    )
+    worst = sorted(series, key=lambda x: -x[1])[:5]
+    where = {"steps": [s for s, _, _ in worst], "sequences": _sequences(f.get("diag/lag0_top"))}
+    return [Finding("GRP201", "weight-sync", sev, title, ev, where, fix, notes)]
+
+
+def _mismatch(c: _Ctx) -> list[Finding]:
+    f = c.fig
+    mult = _num(f, "diag/lag0_mult_prob_error")
+    big = _num(f, "diag/lag0_big_seq_frac")
+    n_seq0 = _num(f, "diag/lag0_n_seq") or 0
+    notes: list[str] = []
+    ev: dict[str, dict[str, Any]] = {}
+    lag0_rows = [r for r in f.get("by_staleness") or [] if r.get("lag") == 0 and r.get("abs_diff/mean") is not None]
+    if mult is None and lag0_rows:
+        # analyze's lag-0 row gives mean |Δ|; exp(mean |Δ|) ≤ mean exp(|Δ|) (Jensen), a lower bound of the error
+        bound = math.exp(float(lag0_rows[0]["abs_diff/mean"]))
+        sev = _grade(bound, MULT_ERROR_WARNING, MULT_ERROR_ERROR)
+        if sev is None:
+            return []
+        ev["exp(by_staleness[lag 0].abs_diff/mean)"] = _ev(bound, MULT_ERROR_WARNING, note="lower bound")
+        title = f"train/inference disagreement at lag 0 is above bf16 level: exp(mean |new − old|) = {bound:.3f}"
+    elif mult is None:
+        d = _num(f, "kl/abs_diff_mean")
+        if d is None or math.exp(d) < MULT_ERROR_WARNING:
+            return []
+        ev["exp(kl/abs_diff_mean)"] = _ev(math.exp(d), MULT_ERROR_WARNING)
+        title = f"train/inference disagreement mean |new − old| = {d:.3f} nats, staleness unknown"
+        notes.append("no versions: staleness cannot be separated from numerics")
+        sev = "info"
+    else:
+        sev = _grade(mult, MULT_ERROR_WARNING, MULT_ERROR_ERROR)
+        ev["diag/lag0_mult_prob_error"] = _ev(mult, MULT_ERROR_WARNING)
+        if big is not None:
+            ev["diag/lag0_big_seq_frac"] = _ev(big, BIG_SEQ_WARNING)
+            if big >= BIG_SEQ_WARNING and round(big * n_seq0) >= MIN_FLAGGED_SEQUENCES:
+                sev = _max_sev(sev, "warning")
+        if sev is None:
+            return []
+        title = (
+            f"train/inference disagreement at lag 0 is above bf16 level: mean exp(|new − old|) = {mult:.3f}"
+            + (f", {big:.0%} of lag-0 sequences above 0.1 nats" if big else "")
+        )
+    fix = (
+        "Find the numerical difference between engine and trainer (precision bf16/fp8, attention or fused "
+        "kernels, MoE routing, a sampling parameter applied on one side) — NeMo RL's model-validation guide lists "
+        "these. Meanwhile correct for it: verl rollout correction (`rollout_is`, `rollout_is_threshold`, "
+        "`rollout_rs`), TRL `vllm_importance_sampling_correction` (`vllm_importance_sampling_mode`, "
+        "`vllm_importance_sampling_clip_max`), slime `--use-tis --tis-clip`, OpenRLHF "
+        "`enable_vllm_is_correction` (`vllm_is_correction_type`), AReaL `use_decoupled_loss` with "
+        "`rejection_sampling`."
+    )
+    return [Finding("GRP202", "mismatch", sev, title, ev, {"sequences": _sequences(f.get("diag/lag0_top"))}, fix,
+                    notes)]
+
+
+def _importance(c: _Ctx) -> list[Finding]:
+    f = c.fig
+    hi, lo = _num(f, "is/frac_high"), _num(f, "is/frac_low")
+    ess = _num(f, "is/ess")
+    spikes = _num(f, "spikes/n_ratio_gt_1e3")
+    ev: dict[str, dict[str, Any]] = {}
+    sev: str | None = None
+    tail = None
+    lag0 = _series(f, c.steps, "lag0_tail_frac", None)
+    n_lag0 = sum(x[2] for x in lag0)
+    if n_lag0 >= c.cfg.min_tokens:
+        # With versions, the weights of stale tokens also carry the policy's own change between versions, which
+        # decoupled PPO or rejection sampling corrects by design; the lag-0 tail is the engine/trainer part alone.
+        tail = sum(x[1] * x[2] for x in lag0) / n_lag0
+        ev["diag/by_step[lag0_tail_frac]"] = _ev(tail, TAIL_WARNING)
+        sev = _grade(tail, TAIL_WARNING, TAIL_ERROR)
+    elif hi is not None and lo is not None:
+        tail = hi + lo
+        ev["is/frac_high + is/frac_low"] = _ev(tail, TAIL_WARNING)
+        sev = _grade(tail, TAIL_WARNING, TAIL_ERROR)
+    if ess is not None:
+        ev["is/ess"] = _ev(ess, ESS_WARNING)
+        sev = _max_sev(sev, _grade(ess, ESS_WARNING, below=True))
+    if spikes:
+        ev["spikes/n_ratio_gt_1e3"] = _ev(int(spikes), 1)
+        sev = _max_sev(sev, "warning")
+    if sev is None:
+        return []
+    notes: list[str] = []
+    n_tail = (tail or 0) * (c.n_tokens or 0)
+    if not spikes and n_tail < 10 * MIN_FLAGGED_SEQUENCES:
+        sev = _cap(sev, notes, f"only about {int(n_tail)} tail tokens")
+    title = (
+        f"importance weights exp(new − old) are heavy-tailed: {0 if tail is None else tail:.2%} of "
+        f"{'lag-0 ' if n_lag0 >= c.cfg.min_tokens else ''}tokens outside [0.5, 2]"
+        + (f", ESS {ess:.2f}" if ess is not None else "")
+    )
+    fix = (
+        "Bound the weights with truncated or masked importance sampling: verl `rollout_is` (token/sequence) with "
+        "`rollout_is_threshold` and `rollout_rs`; TRL `vllm_importance_sampling_mode` (token/sequence, "
+        "truncate/mask) with `vllm_importance_sampling_clip_max`; slime `--use-tis --tis-clip` (or icepop); "
+        "OpenRLHF `vllm_is_correction_type` tis/icepop/seq-mask-tis with `vllm_is_truncated_threshold`; AReaL "
+        "`rejection_sampling` (level, action mask/clamp, upper). Look at the worst tokens first."
+    )
+    tokens = [{"file": t.get("file"), "row": t.get("row"), "position": t.get("position"), "ratio": t.get("ratio")}
+              for t in (f.get("top_kl") or [])[:5]]
+    return [Finding("GRP203", "importance-weights", sev, title, ev, {"tokens": tokens}, fix, notes)]
+
+
+def _lag_hist(f: Mapping[str, Any]) -> list[tuple[int, int]]:
+    rows = f.get("staleness/hist")
+    if rows:
+        return [(int(r["lag"]), int(r["n_tokens"])) for r in rows if r.get("lag", -1) >= 0]
+    return [(int(r["lag"]), int(r["n_tokens"])) for r in f.get("diag/by_lag") or []]
+
+
+def _staleness(c: _Ctx) -> list[Finding]:
+    f = c.fig
+    hist = _lag_hist(f)
+    total_n = sum(n for _, n in hist)
+    if not total_n:
+        return []
+    limit = c.cfg.max_staleness
+    beyond = sum(n for k, n in hist if k > limit)
+    frac = beyond / total_n
+    sev = _grade(frac, STALE_WARNING, STALE_ERROR)
+    if sev is None:
+        return [] if beyond == 0 else [c.finish(Finding(
+            "GRP204", "staleness", "info", f"{frac:.1%} of generated tokens have a lag above {limit}",
+            {"lag beyond max_staleness frac": _ev(frac, STALE_WARNING)}, {}, ""))]
+    lag_max = max(k for k, _ in hist)
+    title = f"{frac:.0%} of generated tokens are more than {limit} versions stale (max lag {lag_max})"
+    rows = [r for r in (f.get("by_staleness") or []) if r.get("lag", -1) > limit][:5]
+    fix = (
+        "Bound the lag where samples are produced or dropped: AReaL `max_head_offpolicyness`, TRL async "
+        "`max_staleness`; or correct it: AReaL `use_decoupled_loss` (recomputed `prox_logp`) with "
+        "`rejection_sampling`, verl rollout correction (`rollout_is`, `rollout_rs`). Check that the lag the "
+        "correction assumes (`--max-staleness` here) is the run's."
+    )
+    return [Finding("GRP204", "staleness", sev, title,
+                    {"lag beyond max_staleness frac": _ev(frac, STALE_WARNING, max_staleness=limit),
+                     "staleness/theta_max": _ev(lag_max, limit)},
+                    {"lags": [r.get("lag") for r in rows] or [k for k, _ in hist if k > limit][:5]}, fix)]
+
+
+def _prox(c: _Ctx) -> list[Finding]:
+    f = c.fig
+    safe = _num(f, "diag/prox_loglinear_safe_lag")
+    beyond = _num(f, "diag/prox_beyond_safe_frac")
+    lag_max = _num(f, "diag/lag_max") or _num(f, "staleness/theta_max")
+    if safe is None or beyond is None or beyond < PROX_BEYOND_WARNING:
+        return []
+    used = c.cfg.prox_approximation
+    notes: list[str] = []
+    if used in ("loglinear", "linear"):
+        sev = "warning"
+    elif lag_max is not None and lag_max >= PROX_INFO_LAG:
+        sev = "info"
+        notes.append("the run was not declared to use an approximation (DetectConfig.prox_approximation)")
+    else:
+        return []
+    title = (
+        f"{beyond:.0%} of stale tokens lie beyond the log-linear proximal approximation's safe lag {int(safe)} "
+        f"(max lag {int(lag_max or 0)})"
+    )
+    rows = [r for r in f.get("diag/by_lag") or [] if r.get("lag", 0) > safe][:5]
+    fix = (
+        "Recompute the proximal policy (AReaL `prox_logp_method: recompute`, the default) or keep lags within the "
+        "safe lag (`max_head_offpolicyness`); `grpo-cli compare-prox` reports each method's error by lag "
+        "(`prox/<m>/max_safe_lag`). AReaL's docs advise care above about 10 steps of staleness."
+    )
+    return [Finding("GRP205", "prox-approximation", sev, title,
+                    {"diag/prox_beyond_safe_frac": _ev(beyond, PROX_BEYOND_WARNING),
+                     "diag/prox_loglinear_safe_lag": _ev(int(safe), None)},
+                    {"lags": [{"lag": r["lag"], "error": r.get("prox_loglinear_error")} for r in rows]}, fix, notes)]
+
+
+def _clipping(c: _Ctx) -> list[Finding]:
+    f = c.fig
+    overall = _num(f, "clip/ratio")
+    series = _series(f, c.steps, "clip_frac", "clip/ratio")
+    worst = max(series, key=lambda x: x[1]) if series else None
+    value = max([v for v in (overall, worst[1] if worst else None) if v is not None], default=None)
+    if value is None:
+        return []
+    sev = _grade(value, CLIP_WARNING, CLIP_ERROR)
+    if sev is None:
+        return []
+    title = f"clip fraction {value:.0%} (overall {overall if overall is None else f'{overall:.0%}'}): updates " \
+            "move the policy too far per step"
+    ev = {"clip/ratio": _ev(overall, CLIP_WARNING)}
+    if worst:
+        ev["max over steps of clip fraction"] = _ev(worst[1], CLIP_WARNING, step=worst[0])
+    fix = (
+        "Take smaller policy steps: lower the learning rate, fewer PPO epochs/minibatches per batch (AReaL "
+        "`ppo_n_minibatches`, verl `ppo_epochs`/`ppo_mini_batch_size`, TRL `num_iterations`), or check that the "
+        "clip range matches the run (verl `clip_ratio_low/high`, AReaL `eps_clip`/`eps_clip_higher`, slime "
+        "`--eps-clip/--eps-clip-high`)."
+    )
+    steps = sorted(series, key=lambda x: -x[1])[:5]
+    return [Finding("GRP206", "clipping", sev, title, ev, {"steps": [s for s, v, _ in steps if v >= CLIP_WARNING]},
+                    fix)]
+
+
+DETECTORS = (
+    Detector(_weight_sync, ("GRP201",), groups=("diag/by_step", "diag/lags"),
+             keys=("by_staleness", "kl/abs_diff_mean", "staleness/theta_mean")),
+    Detector(_mismatch, ("GRP202",), groups=("diag/lags",), keys=("by_staleness", "kl/abs_diff_mean")),
+    Detector(_importance, ("GRP203",), groups=("diag/by_step",),
+             keys=("is/frac_high", "is/frac_low", "is/ess", "spikes/n_ratio_gt_1e3", "top_kl")),
+    Detector(_staleness, ("GRP204",), groups=("diag/lags",), keys=("staleness/hist", "by_staleness")),
+    Detector(_prox, ("GRP205",), groups=("diag/lags",), keys=("staleness/theta_max",)),
+    Detector(_clipping, ("GRP206",), groups=("diag/by_step",), keys=("clip/ratio",)),
+)
+"""The GRP2xx detectors, in the order :func:`~grpo_cli.findings.detect.detect` runs them."""

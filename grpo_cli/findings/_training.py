@@ -1,0 +1,160 @@
+"""GRP3xx/GRP4xx: the learning signal and its course — advantages against rewards, groups without reward variance,
+entropy collapse, length truncation."""
+
+from __future__ import annotations
+
+from grpo_cli.findings._base import (
+    Detector,
+    Finding,
+    _cap,
+    _Ctx,
+    _ev,
+    _few,
+    _grade,
+    _halves,
+    _num,
+    _series,
+)
+from grpo_cli.findings.thresholds import (
+    ENTROPY_RATIO_ERROR,
+    ENTROPY_RATIO_WARNING,
+    NO_EOS_ERROR,
+    NO_EOS_INFO,
+    NO_EOS_WARNING,
+    REWARD_RISE,
+    SCALE_WARNING,
+    SIGN_WARNING,
+    UNCENTRED_WARNING,
+    ZERO_STD_ERROR,
+    ZERO_STD_INFO,
+    ZERO_STD_WARNING,
+)
+
+
+def _advantage(c: _Ctx) -> list[Finding]:
+    f = c.fig
+    out: list[Finding] = []
+    groups = _num(f, "diag/groups_spread_n") or 0
+    n_groups = _num(f, "diag/groups_n") or 0
+    where_all = f.get("diag/adv_where") or []
+    fix_common = (
+        "Compute advantages per group from that group's rewards: A = (r − mean_g r)/(std_g r + ε) (TRL "
+        "`scale_rewards`, AReaL `reward_norm`/`adv_norm` with group level and group_size = samples per prompt, "
+        "OpenRLHF `group_norm`, slime grpo), with group ids that match the prompts."
+    )
+    flip = _num(f, "diag/adv_sign_flip_frac")
+    if flip:
+        sev, notes = _few(_grade(flip, SIGN_WARNING, 2 * SIGN_WARNING), round(flip * groups), "groups")
+        out.append(Finding(
+            "GRP301", "advantage", sev,
+            f"advantages fall as rewards rise in {flip:.0%} of groups: the advantage sign is flipped",
+            {"diag/adv_sign_flip_frac": _ev(flip, SIGN_WARNING)},
+            {"groups": [w for w in where_all if w["problem"] == "sign"]},
+            "Check the sign convention between reward, advantage and loss (loss = −A·ratio); a reward model "
+            "returning a cost, or a negated advantage in one worker, produces this. " + fix_common, notes))
+    unc = _num(f, "diag/adv_uncentred_frac")
+    if unc:
+        sev, notes = _few(_grade(unc, UNCENTRED_WARNING), round(unc * n_groups), "groups")
+        out.append(Finding(
+            "GRP302", "advantage", sev,
+            f"advantages are not centred within {unc:.0%} of groups: group boundaries do not match group_id",
+            {"diag/adv_uncentred_frac": _ev(unc, UNCENTRED_WARNING)},
+            {"groups": [w for w in where_all if w["problem"] == "uncentred"]},
+            "If the run uses a group baseline (GRPO, RLOO, Dr.GRPO), the statistics were taken over the wrong "
+            "sequences: check group_size against the samples per prompt and the order of sequences when the "
+            "batch is reshaped to [groups, group_size]. A batch-level baseline (REINFORCE++) is not centred per "
+            "group by design. " + fix_common, notes))
+    out_frac = _num(f, "diag/adv_scale_outlier_frac")
+    if out_frac:
+        sev, notes = _few(_grade(out_frac, SCALE_WARNING), round(out_frac * groups), "groups")
+        out.append(Finding(
+            "GRP303", "advantage", sev,
+            f"advantage scale is inconsistent across groups: {out_frac:.0%} of groups are normalised differently "
+            f"(scale exponent {_num(f, 'diag/adv_scale_exponent') or float('nan'):.2f}; −1 = group std, 0 = none)",
+            {"diag/adv_scale_outlier_frac": _ev(out_frac, SCALE_WARNING),
+             "diag/adv_scale_exponent": _ev(_num(f, "diag/adv_scale_exponent"), "−1 or 0")},
+            {}, "Normalise every group the same way (divide by the group std plus a small ε, or not at all). "
+            + fix_common, notes))
+    return out
+
+
+def _no_signal(c: _Ctx) -> list[Finding]:
+    f = c.fig
+    z = _num(f, "groups/zero_std_frac")
+    if z is None or z < ZERO_STD_INFO:
+        return []
+    sev = _grade(z, ZERO_STD_WARNING, ZERO_STD_ERROR) or "info"
+    fix = (
+        "Filter groups whose rewards are all equal and sample more prompts (DAPO's dynamic sampling), adjust the "
+        "prompt difficulty, or raise the samples per prompt; TRL logs this as `frac_reward_zero_std`, slime as "
+        "`zero_std/count_*`."
+    )
+    return [Finding("GRP304", "no-signal", sev, f"{z:.0%} of groups have zero reward variance: no learning signal",
+                    {"groups/zero_std_frac": _ev(z, ZERO_STD_WARNING)}, {}, fix)]
+
+
+def _entropy(c: _Ctx) -> list[Finding]:
+    f = c.fig
+    series = _series(f, c.steps, "entropy_mean", "entropy/mean")
+    key = "entropy_mean"
+    if not series:
+        series, key = _series(f, c.steps, "neg_logp_mean", None), "neg_logp_mean"
+    h = _halves(series, 0.25)
+    if h is None or h[0] <= 0:
+        return []
+    last = min(h[1], series[-1][1])  # a fall in the final steps counts before it fills a quarter of the run
+    ratio = last / h[0]
+    sev = _grade(ratio, ENTROPY_RATIO_WARNING, ENTROPY_RATIO_ERROR, below=True)
+    if sev is None:
+        return []
+    notes: list[str] = []
+    rewards = _halves(_series(f, c.steps, "reward_mean", "reward/mean"), 0.25)
+    if rewards is not None and rewards[1] - rewards[0] >= REWARD_RISE:
+        # A policy converging on its task loses entropy as its reward rises; collapse is the concern when the
+        # entropy goes while the reward does not follow (Cui et al. 2025, "The Entropy Mechanism of RL for LLMs").
+        sev = _cap(sev, notes, f"the mean reward rose from {rewards[0]:.3g} to {rewards[1]:.3g} over the same steps: "
+                               "the policy may be converging")
+    title = f"entropy falls from {h[0]:.3f} to {last:.3f} nats over the steps (×{ratio:.2f}): entropy collapse"
+    fix = (
+        "Slow the collapse: an entropy bonus (verl `entropy_coeff`, TRL `entropy_coef`), a higher clip on the "
+        "upper side (clip-higher: verl `clip_ratio_high`, AReaL `eps_clip_higher`, slime `--eps-clip-high`), "
+        "Clip-Cov/KL-Cov (verl), or a lower learning rate."
+    )
+    evidence = {f"diag/by_step[{key}] last/first quarter": _ev(ratio, ENTROPY_RATIO_WARNING)}
+    if rewards is not None:
+        evidence["diag/by_step[reward_mean] last − first quarter"] = _ev(rewards[1] - rewards[0], REWARD_RISE)
+    return [Finding("GRP401", "entropy-collapse", sev, title, evidence,
+                    {"steps": [series[0][0], series[-1][0]]}, fix, notes)]
+
+
+def _truncation(c: _Ctx) -> list[Finding]:
+    f = c.fig
+    overall = _num(f, "seq/no_eos_frac")
+    series = _series(f, c.steps, "no_eos_frac", "seq/no_eos_frac")
+    if overall is None and series:
+        w = sum(x[2] for x in series)
+        overall = sum(x[1] * x[2] for x in series) / w if w else None
+    if overall is None:
+        return []
+    if overall < NO_EOS_INFO:
+        return []
+    sev = _grade(overall, NO_EOS_WARNING, NO_EOS_ERROR) or "info"
+    title = f"{overall:.0%} of responses end without EOS (cut at the length limit)"
+    fix = (
+        "Raise the generation limit (AReaL `max_new_tokens`, verl `data.max_response_length`, TRL "
+        "`max_completion_length`), or keep truncated responses out of the loss (TRL `mask_truncated_completions`, "
+        "AReaL `mask_no_eos_with_zero`) or shape their reward (AReaL `overlong_reward_penalty`, DAPO's overlong "
+        "penalty)."
+    )
+    steps = sorted(series, key=lambda x: -x[1])[:5]
+    return [Finding("GRP402", "length-truncation", sev, title, {"seq/no_eos_frac": _ev(overall, NO_EOS_WARNING)},
+                    {"steps": [s for s, _, _ in steps]}, fix)]
+
+
+DETECTORS = (
+    Detector(_advantage, ("GRP301", "GRP302", "GRP303"), groups=("diag/groups",)),
+    Detector(_no_signal, ("GRP304",), keys=("groups/zero_std_frac",)),
+    Detector(_entropy, ("GRP401",), groups=("diag/by_step",), keys=("entropy/mean", "reward/mean")),
+    Detector(_truncation, ("GRP402",), groups=("diag/by_step",), keys=("seq/no_eos_frac",)),
+)
+"""The GRP3xx/GRP4xx detectors, in the order :func:`~grpo_cli.findings.detect.detect` runs them."""

@@ -1,0 +1,99 @@
+"""The findings' thresholds: every number a detector compares a statistic with, each documented here (its reason
+or source) and in ``docs/findings.md``'s section of its code."""
+
+from __future__ import annotations
+
+MIN_TOKENS = 4000
+"""Below this many valid tokens a finding is ``info`` at most: a token fraction of 1 % would rest on < 40 tokens,
+a handful of sequences."""
+MIN_SEQUENCES = 64
+"""Below this many sequences a finding is ``info`` at most (sequence fractions move by ≥ 1.5 % per sequence)."""
+MIN_FLAGGED_SEQUENCES = 3
+"""Per-sequence detectors need at least this many flagged sequences for more than ``info``."""
+SHIFT_SEQ_WARNING, SHIFT_SEQ_ERROR = 0.02, 0.10
+"""GRP101: fraction of sequences agreeing better at a one-token shift (healthy simulated dumps: 0)."""
+SLOPE_WARNING, SLOPE_ERROR = 0.05, 0.15
+"""GRP102: |b − 1| of the least-squares line old ≈ a + b·new. Healthy simulated dumps: |b − 1| ≤ 0.003 (lags 0–3
+included); a 0.6/1.0 temperature pair gives b ≈ 1.33; b ≈ T_train/T_behaviour to first order."""
+SLOPE_MIN_LAG0 = 500
+"""GRP102 reads the slope over lag-0 tokens when there are at least this many: at lag > 0 the policy's own drift
+(e.g. entropy falling between versions) tilts the line as a temperature would."""
+ONESIDED_WARNING, ONESIDED_ERROR = 0.10, 0.50
+"""GRP103: fraction of sequences (≥ 8 valid tokens) with old > new on ≥ 95 % of their tokens (healthy: < 1 %;
+a renormalised top-p = 0.8: ≈ 97 %)."""
+ONESIDED_MIN_SHIFT = 0.01
+"""GRP103: and the mean old − new (nats) must be positive by at least this (the kept mass S < 0.99)."""
+MASK_FRAC_WARNING, MASK_FRAC_ERROR = 0.005, 0.05
+"""GRP104/105: fractions of valid (or generated) tokens that are prompt tokens in the loss, engine zeros, trailing
+zero runs or generated tokens out of the loss; healthy dumps have exactly 0 of each."""
+MASK_SEQ_WARNING = 0.02
+"""GRP104: fraction of sequences with a trailing run of exact zeros under the mask (padding in the loss)."""
+HOLE_INFO = 0.05
+"""GRP105 without ``versions``: masked tokens inside a response span / valid tokens; multi-turn dumps mask tool
+output legitimately, so this alone is ``info``."""
+REF_EQUAL_WARNING, REF_EQUAL_ERROR = 0.2, 0.9
+"""GRP106: fraction of valid tokens where ``ref_logp`` equals another column bitwise; a reference that differs by
+any training step matches on ~0 tokens (healthy: 0)."""
+REF_ZERO_ERROR = 0.9
+"""GRP106: fraction of valid tokens with ``ref_logp`` exactly 0 (AReaL's placeholder without a reference model)."""
+DUP_ID_ERROR = 0.05
+"""GRP107: a repeated (step, seq_id) is a bug at any count (warning); above this fraction of sequences, error."""
+DUP_CONTENT_WARNING = 0.05
+"""GRP107 without ``seq_id``: identical sequences (hash of every token's new and old log-prob) above this
+fraction; identical samples of one prompt are legitimate for short low-entropy answers (on-policy sim: 2 %)."""
+SYNC_RATIO_WARNING, SYNC_RATIO_ERROR = 2.0, 4.0
+"""GRP201: last over first value of the least-squares line through the per-step lag-0 disagreement (the worst
+lag-0 sequence of each step, or the step's lag-0 mean); healthy simulated dumps: ≈ 1."""
+SYNC_RANK_CORR = 0.6
+"""GRP201: and the Spearman rank correlation of that series with the step must be at least this (a steady rise,
+not one bad step; with 6 steps a chance value ≥ 0.6 has probability ≈ 0.12, and the ratio and rise must hold too:
+healthy simulated dumps stay at ×1.2)."""
+SYNC_LAG0_SPREAD = 3.0
+"""GRP201's all-lag series needs lag-0 evidence: the largest per-step worst lag-0 sequence at least this many times
+the smallest (healthy simulated dumps: ≤ 2; a larger policy step leaves lag 0 flat)."""
+SYNC_DRIFT_RATIO = 1.5
+"""GRP201's all-lag series is used only while the policy's own change per version (mean |new − prox| per step)
+stays flat (fitted last/first below this)."""
+SYNC_MIN_RISE = 0.01
+"""GRP201: and the rise must be at least this many nats (slime's healthy level is ~0.011; a public SGLang run
+drifting 0.011 → 0.036 over 30 steps is the pattern)."""
+SYNC_LAG_DRIFT = 0.5
+"""GRP201: the recorded mean lag must not rise by more than this over the steps (fitted line), else the rise may
+be staleness."""
+MULT_ERROR_WARNING, MULT_ERROR_ERROR = 1.05, 1.2
+"""GRP202: NeMo RL's mean exp(|new − old|) over lag-0 tokens (1 = identical). Healthy bf16 simulation: 1.008;
+published bf16 stacks show mean |Δ| ≈ 0.011 (exp ≈ 1.011). 1.05 is ~5× the healthy excess."""
+BIG_SEQ_WARNING = 0.05
+"""GRP202: fraction of lag-0 sequences whose mean |new − old| > 0.1 (one broken worker); healthy: 0."""
+TAIL_WARNING, TAIL_ERROR = 0.005, 0.05
+"""GRP203: fraction of valid tokens with w = exp(new − old) outside [1/2, 2] (verl's ``rollout_is_threshold`` 2,
+``is/frac_high + is/frac_low``); healthy simulated dumps: 0."""
+ESS_WARNING = 0.8
+"""GRP203: ``is/ess`` (truncated weights, verl's ESS) below this; healthy: ≥ 0.99."""
+STALE_WARNING, STALE_ERROR = 0.05, 0.25
+"""GRP204: fraction of generated tokens with a lag above :attr:`DetectConfig.max_staleness`."""
+PROX_BEYOND_WARNING = 0.05
+"""GRP205: fraction of stale tokens (lag ≥ 1) beyond the log-linear approximation's safe lag (mean error ≤ 0.01,
+compare-prox's default ``--tolerance``)."""
+PROX_INFO_LAG = 8
+"""GRP205 without a declared approximation: only when lags reach this (AReaL's docs: be careful above ~10)."""
+CLIP_WARNING, CLIP_ERROR = 0.2, 0.4
+"""GRP206: ``clip/ratio`` overall or on any step; healthy simulated dumps: 0, PPO runs in verl/TRL logs typically
+stay at a few percent; above 0.2 most of the update's tokens have no gradient."""
+SIGN_WARNING = 0.05
+"""GRP301: fraction of groups with spread where cov(reward, advantage) < 0 (healthy GRPO: exactly 0)."""
+UNCENTRED_WARNING = 0.05
+"""GRP302: fraction of groups whose mean advantage is not 0 (healthy GRPO/RLOO/Dr.GRPO: exactly 0)."""
+SCALE_WARNING = 0.05
+"""GRP303: fraction of groups whose advantage scale is off the run's normalisation by > 10 % (healthy: 0)."""
+ZERO_STD_INFO, ZERO_STD_WARNING, ZERO_STD_ERROR = 0.25, 0.5, 0.8
+"""GRP304: ``groups/zero_std_frac`` (TRL ``frac_reward_zero_std``); healthy simulation (success rates 0.15–0.85,
+8 samples): ≈ 0.1."""
+ENTROPY_RATIO_WARNING, ENTROPY_RATIO_ERROR = 0.5, 0.2
+"""GRP401: the lower of the last quarter's mean entropy and the last step's, over the first quarter's mean
+(healthy simulated dumps: 0.92–1.05)."""
+REWARD_RISE = 0.1
+"""GRP401: a rise of the mean reward (last quarter of the steps over the first) from which an entropy fall reads as
+convergence (``info``), not collapse; rewards in [0, 1] (pass/fail) rise by far more when a run learns its task."""
+NO_EOS_INFO, NO_EOS_WARNING, NO_EOS_ERROR = 0.05, 0.2, 0.5
+"""GRP402: ``seq/no_eos_frac`` overall or on any step (healthy simulation: ≈ 0.03)."""
