@@ -1,4 +1,5 @@
-"""The package's layers (ARCHITECTURE.md): every import points down the list, and no module imports itself back.
+"""The package's layers (ARCHITECTURE.md): every import points down the list, no module imports itself back, and no
+module is too long to read.
 
 Every import counts: module level, inside functions and under ``TYPE_CHECKING``. The list, bottom to top:
 
@@ -121,3 +122,16 @@ def test_no_import_cycles():
             visit(node, [node])
     assert cycles == []
 
+
+
+MAX_MODULE_LINES = 500
+"""A module a maintainer can read in one sitting; a larger one is split along a seam (ARCHITECTURE.md)."""
+
+
+def test_no_module_is_too_long():
+    too_long = {
+        name: n
+        for name, path in _modules().items()
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+    }
+    assert too_long == {}
