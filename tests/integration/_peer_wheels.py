@@ -91,7 +91,8 @@ def framework_modules(top: str, root: Path, version: str, names: list[str],
     finder = _ForcedStubs(forced)
     sys.meta_path.insert(0, finder)
     compile_ = torch.compile
-    torch.compile = lambda model=None, **kwargs: model  # type: ignore[assignment]  # eager: same functions
+    # eager: same functions; ``@torch.compile(dynamic=True)`` (no model) is a decorator factory
+    torch.compile = lambda model=None, **kwargs: model if model is not None else (lambda fn: fn)  # type: ignore[assignment]
     try:
         with peer_imports({top: root}, stubs, {top: version}), warnings.catch_warnings():
             warnings.simplefilter("ignore")
