@@ -77,11 +77,11 @@ def _plain_choice_errors() -> Iterator[None]:
     def format_message(self: typer.BadParameter) -> str:
         return original(self).replace(": Value error, ", ": ")
 
-    typer.BadParameter.format_message = format_message  # type: ignore[method-assign]
+    typer.BadParameter.format_message = format_message  # type: ignore[method-assign]  # for this call only
     try:
         yield
     finally:
-        typer.BadParameter.format_message = original  # type: ignore[method-assign]
+        typer.BadParameter.format_message = original  # type: ignore[method-assign]  # restored
 
 
 def _exit_code(code: object) -> int:

@@ -233,7 +233,7 @@ def evaluate_rule(
     interval = baseline.intervals.get(rule.metric) if base is not None and baseline and rule.per is None else None
     noise = None
     if interval is not None and _is_number(candidates[0][1]):
-        noise = (float(base) + interval[0], float(base) + interval[1])  # type: ignore[arg-type]
+        noise = (float(base) + interval[0], float(base) + interval[1])  # type: ignore[arg-type]  # a number here
     excess = [_excess(value, low, high, noise) for _, value in candidates]
     worst = max(range(len(candidates)), key=lambda i: excess[i])  # first of equals: the smallest group key
     result.group, result.value = candidates[worst]

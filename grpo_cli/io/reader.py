@@ -218,7 +218,7 @@ class RolloutDataset:
                                              row=chunk_rows + _first_null_row(chunk))
                         chunk_rows += len(chunk)
                 found.update(pc.unique(_decoded(column.combine_chunks())).to_pylist())
-            cache[name] = sorted(found)  # type: ignore[type-var]
+            cache[name] = sorted(found)  # type: ignore[type-var]  # one column: all ints or all strings
         return cache[name]
 
     # -- sharding -----------------------------------------------------------------------------------------------
