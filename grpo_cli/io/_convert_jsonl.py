@@ -29,9 +29,8 @@ from grpo_cli.io._convert_common import (
     _key_map,
     _writer_error,
 )
-from grpo_cli.io.part_writer import SEQUENCE_INPUTS, TOKEN_INPUTS, PartWriter, _alignments, _list_array
+from grpo_cli.io.part_writer import SEQUENCE_INPUTS, TOKEN_INPUTS, PartWriter, _alignments, arrow_columns
 from grpo_cli.io.preset_table import Preset
-from grpo_cli.io.schema import COLUMNS, ColumnKind
 
 __all__: list[str] = []  # private to grpo_cli.io.convert
 
@@ -208,23 +207,9 @@ def _arrays(step: int, inputs: Mapping[str, Any], aligned: Mapping[str, str]) ->
         value = inputs.get(name)
         if value is not None:
             sequence[name] = _per_sequence(value, name)
-    offsets = pa.array(cu.astype(np.int32) if n_tokens < _INT32.max else cu)
-    columns: dict[str, pa.Array] = {}
-    for name, values in token.items():
-        kind = COLUMNS[name].kind
-        if kind is ColumnKind.TOKEN_MASK:
-            flat = pa.array(values != 0)
-        elif kind is ColumnKind.TOKEN_INT:
-            flat = pa.array(_integers(values, name, np.int32))
-        else:
-            flat = pa.array(_floats(values, name))
-        columns[name] = _list_array(offsets, flat)
-    for name, values in sequence.items():
-        if COLUMNS[name].kind in (ColumnKind.SEQUENCE_FLOAT, ColumnKind.SEQUENCE_OR_TOKEN_FLOAT):
-            columns[name] = pa.array(_floats(values, name))
-        else:
-            columns[name] = pa.array(_integers(values, name, np.int64))
-    columns["step"] = pa.array(np.full(len(parts), step, dtype=np.int64))
+    columns = arrow_columns(token, sequence, cu, step, mask=lambda values: values != 0,
+                            integers=lambda values, name, wide: _integers(values, name, np.int64 if wide else np.int32),
+                            floats=_floats)
     return columns, n_tokens
 
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -301,6 +302,43 @@ class PartWriter:
         self._buffered_tokens = 0
         self._step = None
         self._tmp = self._final = None
+
+
+def arrow_columns(
+    token: Mapping[str, Any],
+    sequence: Mapping[str, Any],
+    cu_seqlens: np.ndarray,
+    step: int,
+    *,
+    mask: Callable[[Any], np.ndarray],
+    integers: Callable[[Any, str, bool], np.ndarray],
+    floats: Callable[[Any, str], np.ndarray],
+) -> dict[str, pa.Array]:
+    """The Arrow columns of one ``add``: token columns as lists over the ``cu_seqlens`` offsets (int32 offsets while
+    they fit), sequence columns flat, and ``step``.
+
+    ``mask``, ``integers`` (``wide``: int64, else int32) and ``floats`` turn one input into host values of its
+    column's kind with the caller's checks: ``RolloutWriter.add`` from tensors, ``convert --from jsonl`` from numpy.
+    """
+    n_tokens = int(cu_seqlens[-1])
+    offsets = pa.array(cu_seqlens.astype(np.int32) if n_tokens < np.iinfo(np.int32).max else cu_seqlens)
+    columns: dict[str, pa.Array] = {}
+    for name, values in token.items():
+        kind = COLUMNS[name].kind
+        if kind is ColumnKind.TOKEN_MASK:
+            flat = mask(values)
+        elif kind is ColumnKind.TOKEN_INT:
+            flat = integers(values, name, False)
+        else:
+            flat = floats(values, name)
+        columns[name] = _list_array(offsets, pa.array(flat))
+    for name, values in sequence.items():
+        if COLUMNS[name].kind in (ColumnKind.SEQUENCE_FLOAT, ColumnKind.SEQUENCE_OR_TOKEN_FLOAT):
+            columns[name] = pa.array(floats(values, name))
+        else:
+            columns[name] = pa.array(integers(values, name, True))
+    columns["step"] = pa.array(np.full(len(cu_seqlens) - 1, step, dtype=np.int64))
+    return columns
 
 
 def _list_array(offsets: pa.Array, flat: pa.Array) -> pa.Array:

@@ -50,7 +50,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import torch
 from torch import Tensor
 
@@ -66,11 +65,11 @@ from grpo_cli.io.part_writer import (
     WINDOWS,
     PartWriter,
     _alignments,
-    _list_array,
+    arrow_columns,
     fast_write_options,
     read_metadata,
 )
-from grpo_cli.io.schema import COLUMNS, ColumnKind
+from grpo_cli.io.schema import COLUMNS
 
 __all__ = [
     "ALIGNMENTS",
@@ -84,8 +83,6 @@ __all__ = [
     "fast_write_options",
     "read_metadata",
 ]
-
-_INT32 = torch.iinfo(torch.int32)
 
 
 class RolloutWriter(PartWriter):
@@ -241,24 +238,10 @@ class RolloutWriter(PartWriter):
                 return 0
         # 2. → Arrow (host copies happen here, once)
         n_tokens = int(cu[-1])
-        offsets = pa.array(cu.numpy().astype(np.int32) if n_tokens < _INT32.max else cu.numpy())
-        arrays: dict[str, pa.Array] = {}
-        for name, values in token.items():
-            kind = COLUMNS[name].kind
-            if kind is ColumnKind.TOKEN_MASK:
-                flat = pa.array(_mask_numpy(values))
-            elif kind is ColumnKind.TOKEN_INT:
-                flat = pa.array(_int_numpy(values, name, torch.int32))
-            else:
-                flat = pa.array(_float_numpy(values, name))
-            arrays[name] = _list_array(offsets, flat)
-        for name, values in sequence.items():
-            if COLUMNS[name].kind in (ColumnKind.SEQUENCE_FLOAT, ColumnKind.SEQUENCE_OR_TOKEN_FLOAT):
-                arrays[name] = pa.array(_float_numpy(values, name))
-            else:
-                arrays[name] = pa.array(_int_numpy(values, name, torch.int64))
+        arrays = arrow_columns(
+            token, sequence, cu.numpy(), step, mask=_mask_numpy, floats=_float_numpy,
+            integers=lambda values, name, wide: _int_numpy(values, name, torch.int64 if wide else torch.int32))
         n_sequences = int(lengths.numel())
-        arrays["step"] = pa.array(np.full(n_sequences, step, dtype=np.int64))
         conventions = (json.dumps({"default": alignment, **dict(column_alignment or {})}, sort_keys=True), window)
         batch = self._record_batch(arrays, conventions)
         self._append(step, batch, n_tokens)
