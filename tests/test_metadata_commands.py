@@ -185,3 +185,18 @@ def test_diff_reads_each_runs_own_metadata(capsys, dumps, tmp_path):
     explicit = run_json(capsys, "diff", dumps["meta"], dumps["meta_new"], "--temperature", "1")
     assert explicit["config"]["temperature"] == 1.0 and explicit["config"]["epsilon"] == 0.1
     _refused(capsys, "diff", _disagreeing(tmp_path), dumps["plain"])
+
+
+def test_check_measures_a_dump_baseline_with_its_own_options(capsys, dumps, tmp_path):
+    rules = tmp_path / "relative.toml"
+    rules.write_text('[[rule]]\nmetric = "logp/new_mean"\nmax_abs_change = 100.0\n')
+    # The baseline run recorded temperature 0.5 and clip 0.1; the new run recorded nothing (temperature 1).
+    doc = run_json(capsys, "check", dumps["plain_new"], "-r", rules, "--baseline", dumps["meta"])
+    rule = next(r for r in doc["rules"] if r["metric"] == "logp/new_mean")
+    plain_rules = tmp_path / "rules.toml"
+    plain_rules.write_text(RULES)
+    at_half = run_json(capsys, "check", dumps["meta"], "-r", plain_rules)["metrics"]["logp/new_mean"]
+    at_one = run_json(capsys, "check", dumps["plain"], "-r", plain_rules)["metrics"]["logp/new_mean"]
+    assert at_half != at_one  # the same tokens: only the temperature differs
+    assert rule["baseline"] == at_half
+    assert doc["config"]["temperature"] == 1.0 and "from_metadata" not in doc["config"]

@@ -143,16 +143,22 @@ def check(
     base = load_baseline((baseline or [])[0]) if json_baseline else None
     dataset = open_input(paths, column_map, preset)
     # The dump's recorded options fill what neither the command line nor the rules' [analyze] table set.
+    plain_config = config
     options, from_metadata = metadata_defaults(ctx, dataset.files, config, fixed=rule_set.analyze)
     config = with_options(config, options)
-    base_dump = open_input([str(p) for p in baseline], column_map, preset) if baseline and not json_baseline else None
+    base_dump, base_config = None, None
+    if baseline and not json_baseline:
+        # The baseline run is measured with its own recorded options, as diff and report --compare read each run.
+        base_dump = open_input([str(p) for p in baseline], column_map, preset)
+        base_found, _ = metadata_defaults(ctx, base_dump.files, plain_config, fixed=rule_set.analyze)
+        base_config = with_options(plain_config, base_found)
     started = time.perf_counter()
     with progress_bar(dataset.n_tokens, quiet) as progress:
         report = run_check(dataset, rule_set, config, baseline=base, warn_only=warn_only,
                            require_valid_input=require_valid, progress=progress,
                            findings=DetectConfig(max_staleness=max_staleness, prox_approximation=prox_approximation),
                            select=select or None, ignore=ignore or (), all_figures=save_baseline is not None,
-                           baseline_dump=base_dump)
+                           baseline_dump=base_dump, baseline_config=base_config)
     elapsed = time.perf_counter() - started
     if from_metadata:
         report.config["from_metadata"] = from_metadata

@@ -263,6 +263,7 @@ def dump_baseline(
     config: AnalyzeConfig,
     metrics: Mapping[str, Any],
     z: float | None = None,
+    base_config: AnalyzeConfig | None = None,
 ) -> Baseline:
     """A baseline measured from a rollout dump, with each baseline-relative rule's change interval.
 
@@ -271,13 +272,19 @@ def dump_baseline(
     :func:`grpo_cli.commands.diff.measure` and :func:`~grpo_cli.commands.diff.change_interval`, ``z`` default
     :data:`~grpo_cli.commands.diff.DEFAULT_Z`). Figures without an interval (extremes, quantiles, constants) are
     compared as fixed margins. ``metrics`` are this run's figures from the main pass (the values the rules test).
+    ``base_config`` (default ``config``) measures the baseline run, as ``diff`` measures each run with its own
+    options.
     """
     from grpo_cli.commands.diff import DEFAULT_Z, DiffConfig, change_interval, measure
 
     relative = [r for r in rules if r.needs_baseline and not r.is_prox]
     groups, _ = check_groups(relative, select=[])
-    options = DiffConfig(**{f.name: getattr(config, f.name) for f in fields(config)}, z=z or DEFAULT_Z)
-    base_run = measure(base, options, "baseline", groups=groups)
+    def diff_config(analyze_config: AnalyzeConfig) -> DiffConfig:
+        return DiffConfig(**{f.name: getattr(analyze_config, f.name) for f in fields(analyze_config)},
+                          z=z or DEFAULT_Z)
+
+    options = diff_config(config)
+    base_run = measure(base, options if base_config is None else diff_config(base_config), "baseline", groups=groups)
     new_run = measure(dataset, options, "new", groups=groups)
     base_metrics = dict(base_run.result.metrics)
     base_metrics.update(sanity_figures(base_metrics))
@@ -309,6 +316,7 @@ def run_check(
     ignore: Sequence[str] = (),
     all_figures: bool = False,
     baseline_dump: RolloutDataset | None = None,
+    baseline_config: AnalyzeConfig | None = None,
 ) -> CheckReport:
     """Compute the figures the rules need, evaluate every rule and run the detectors as built-in rules.
 
@@ -320,7 +328,8 @@ def run_check(
     Only the metric groups of the rules' metrics and the chosen detectors' inputs run (:func:`check_groups`), with
     the same rule results and findings as computing everything; ``all_figures`` (``--save-baseline``) computes every
     figure. ``baseline_dump`` (instead of ``baseline``) is a baseline run's rollout dump: the baseline-relative
-    bounds then fail only when the change is beyond noise (:func:`dump_baseline`).
+    bounds then fail only when the change is beyond noise (:func:`dump_baseline`); ``baseline_config`` (default
+    ``config``) is the options that run is measured with.
 
     Raises:
         UsageError: unknown metrics, bad ``per`` columns, missing baseline values, rules on metrics the dump cannot
@@ -357,7 +366,7 @@ def run_check(
         report_config["compare_prox"] = prox_config
 
     if baseline_dump is not None and any(r.needs_baseline for r in rules):
-        baseline = dump_baseline(baseline_dump, dataset, rules, config, metrics)
+        baseline = dump_baseline(baseline_dump, dataset, rules, config, metrics, base_config=baseline_config)
     results = evaluate_rules(rules, metrics, groups, baseline, omitted)
     chosen = select_findings(first.findings, select, ignore)
     results = finding_results(chosen) + results
