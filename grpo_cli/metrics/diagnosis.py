@@ -41,8 +41,10 @@ from grpo_cli.core.diagnosis import (
     zeros_state,
     zeros_update,
 )
+from grpo_cli.core.diagnosis.pairs import N_BLOCKS, pairs_compute, pairs_state, pairs_update
 from grpo_cli.core.prox import broadcast_current_version
 from grpo_cli.core.state import MetricState
+from grpo_cli.engine.blocks import block_keys
 from grpo_cli.engine.group import MetricGroup
 
 __all__ = ["diagnosis_groups"]
@@ -234,7 +236,30 @@ class LagsGroup(_DiagGroup):
         return lags_compute(state)
 
 
+class PairsGroup(_DiagGroup):
+    """Behaviour against same-weights training log-probs: temperature, truncation, mismatch, re-tokenisation,
+    proximal recompute, each with its interval over blocks of GRPO groups."""
+
+    name = "diag/pairs"
+
+    def columns(self) -> frozenset[str]:
+        return frozenset({"new_logp", "old_logp", "prox_logp", "entropy", "versions", "current_version", "group_id",
+                          "step"})
+
+    def init_state(self, config: Any, device: torch.device | str) -> MetricState:
+        return pairs_state(device)
+
+    def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: Any) -> None:
+        if valid.old_logp is not None:
+            pairs_update(state, new_logp=valid.new_logp, old_logp=valid.old_logp, prox_logp=valid.prox_logp,
+                         entropy=valid.entropy, cu_seqlens=valid.cu_seqlens, block=block_keys(batch, N_BLOCKS),
+                         lag=_lag(valid), file_index=batch.file_index, rows=batch.rows, step=batch.step)
+
+    def compute(self, state: MetricState, config: Any) -> dict[str, Any]:
+        return pairs_compute(state)
+
+
 def diagnosis_groups() -> list[MetricGroup]:
     """The findings-only groups, one per family of :mod:`grpo_cli.core.diagnosis`."""
     return [ShiftGroup(), RelationGroup(), ZerosGroup(), EqualityGroup(), DuplicatesGroup(), GroupsGroup(),
-            ByStepGroup(), LagsGroup()]
+            ByStepGroup(), LagsGroup(), PairsGroup()]

@@ -17,12 +17,15 @@ __all__ = [
     "as_float",
     "counts_by",
     "first_index",
+    "jackknife",
     "last_index",
     "locations",
     "sums_by",
+    "t975",
     "table_rows",
     "top_table",
     "update_top",
+    "wilson",
 ]
 
 LOGP_COLUMNS = ("new_logp", "old_logp", "prox_logp", "ref_logp")
@@ -105,3 +108,58 @@ def table_rows(table: Tensor) -> list[dict[str, Any]]:
             "step": None if math.isnan(r[3]) else int(r[3]), "value": r[4],
         })
     return out
+
+
+# -- uncertainty -----------------------------------------------------------------------------------------------------
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+"""Student's t 0.975 quantiles for 1 … 30 degrees of freedom (any statistics table)."""
+
+
+def t975(dof: int) -> float:
+    """The 0.975 quantile of Student's t with ``dof`` degrees of freedom (1.96 beyond 30, ∞ below 1)."""
+    if dof < 1:
+        return math.inf
+    return _T975[dof - 1] if dof <= len(_T975) else 1.96 + 2.4 / dof
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's score interval for a proportion ``k / n`` (Wilson 1927, JASA 22(158)): honest at k = 0 and at small n,
+    where the normal interval collapses. ``(0, 1)`` when ``n`` is 0."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def jackknife(stat: Any, blocks: Tensor) -> tuple[float, float, float]:
+    """A statistic of summed quantities and its delete-a-block jackknife 95 % interval.
+
+    Args:
+        stat: maps a ``[m]`` float64 vector of totals to a float (NaN where undefined).
+        blocks: ``[K, m]`` the same quantities summed per block of sequences (a hash of the sequence's GRPO group, so
+            correlated samples of one prompt share a block; see :func:`grpo_cli.engine.blocks.block_keys`).
+
+    Returns:
+        ``(value, low, high)``: ``stat`` of the totals, ± t(g − 1)·se with the delete-a-group jackknife
+        variance (g − 1)/g · Σ (θ_(k) − θ_(·))² over the g non-empty blocks (Efron & Stein 1981). The interval is
+        (−∞, ∞) with fewer than two usable blocks: no spread can be estimated.
+    """
+    blocks = blocks.to(torch.float64).cpu()
+    total = blocks.sum(0)
+    value = float(stat(total))
+    loo = []
+    for k in range(blocks.shape[0]):
+        if bool((blocks[k] != 0).any()):
+            theta = float(stat(total - blocks[k]))
+            if math.isfinite(theta):
+                loo.append(theta)
+    g = len(loo)
+    if g < 2 or not math.isfinite(value):
+        return value, -math.inf, math.inf
+    mean = math.fsum(loo) / g
+    se = math.sqrt((g - 1) / g * math.fsum((x - mean) ** 2 for x in loo))
+    half = t975(g - 1) * se
+    return value, value - half, value + half
