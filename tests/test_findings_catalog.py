@@ -139,6 +139,14 @@ def test_explain_renders_the_rule(code):
         assert heading in text
 
 
+def test_findings_report_the_catalog_fix():
+    from grpo_cli.findings.detect import detect
+
+    findings = detect({"groups/zero_std_frac": 0.9, "seq/no_eos_frac": 0.6, "n_valid_tokens": 10**6,
+                       "n_sequences": 10**4})
+    assert {f.code: f.fix for f in findings} == {"GRP304": RULES["GRP304"].fix, "GRP402": RULES["GRP402"].fix}
+
+
 def test_the_module_prints_the_page():
     out = subprocess.run([sys.executable, "-m", "grpo_cli.findings.catalog"], capture_output=True, check=True,
                          cwd=ROOT).stdout.decode("utf-8")
