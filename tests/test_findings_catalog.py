@@ -124,6 +124,9 @@ def test_wrapping_keeps_the_markdown_structure():
     assert all(line.startswith("  y") for line in lines[lines.index(next(x for x in lines if x.startswith("- item")))
                                                             + 1: lines.index("")])
     assert out.endswith("\n\nnext paragraph")
+    for n in range(50, 60):  # an operator never ends or starts a line
+        lines = wrap("x " * n + "lag > 0 and b = 1.33 " + "y " * 60).split("\n")
+        assert not any(line.endswith((">", "=")) or line.startswith((">", "=")) for line in lines)
 
 
 @pytest.mark.parametrize("code", list(CODES))

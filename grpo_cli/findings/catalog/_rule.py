@@ -16,6 +16,7 @@ WIDTH = 116
 _SPEC = re.compile(r"^(?:\*(?P<factor>[0-9.]+))?(?P<percent>%?)$")
 # A word that would turn a wrapped line into a list item, a heading, a quote or a setext underline.
 _BLOCK_START = re.compile(r"^([-+*>#]|\d+[.)])$")
+_OPERATORS = frozenset({"=", "≈", "<", ">", "≤", "≥", "→"})
 
 
 class _Value:
@@ -62,16 +63,27 @@ def wrap(text: str) -> str:
 
 
 def _wrap_line(line: str, subsequent: str) -> list[str]:
-    words = line.split(" ")
+    """Greedy wrap of one line, never between an operator and its operands; a word that would start a block (``-``,
+    ``1.``) at the start of a line takes the word before it along."""
     out: list[str] = []
-    current = ""
-    for word in words:
-        if current and len(current) + 1 + len(word) > WIDTH and not _BLOCK_START.match(word):
-            out.append(current)
-            current = subsequent + word
+    current: list[str] = []
+    width = 0
+    words: list[str] = []
+    for word in line.split(" "):  # an operator stays with both its operands: `b = 1.33`, `lag > 0`
+        if words and (word in _OPERATORS or words[-1].rsplit(" ", 1)[-1] in _OPERATORS):
+            words[-1] = f"{words[-1]} {word}"
         else:
-            current = f"{current} {word}" if current else word
-    out.append(current)
+            words.append(word)
+    for word in words:
+        if current and width + 1 + len(word) > WIDTH:
+            carried = [current.pop()] if _BLOCK_START.match(word) and len(current) > 1 else []
+            out.append(" ".join(current))
+            current = [subsequent + " ".join([*carried, word])] if carried else [subsequent + word]
+            width = len(current[0])
+        else:
+            current.append(word)
+            width += len(word) + (1 if len(current) > 1 else 0)
+    out.append(" ".join(current))
     return out
 
 
