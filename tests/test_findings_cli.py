@@ -128,8 +128,7 @@ def test_explain_prints_the_docs_section(capsys):
     assert out.startswith("## GRP101 ") and "### How to fix" in out and "## GRP102" not in out
     assert main(["explain", "GRP999"]) == 2
     assert "unknown finding code 'GRP999'" in capsys.readouterr().err
-    packaged = (ROOT / "grpo_cli" / "findings" / "findings.md").read_text(encoding="utf-8")
-    assert packaged == (ROOT / "docs" / "findings.md").read_text(encoding="utf-8")
+    assert out in (ROOT / "docs" / "findings.md").read_text(encoding="utf-8")
 
 
 def test_unknown_select_is_a_usage_error(capsys):

@@ -3,16 +3,17 @@
 :func:`diagnose` applies the detectors (:mod:`grpo_cli.findings.detect`: documented thresholds, confidence caps,
 causes before effects) to a streaming run's figures and its findings-only evidence (``diag/*``,
 :mod:`grpo_cli.metrics.diagnosis`); :func:`select` filters findings by code or category (``--select``/``--ignore``,
-as ruff's); :func:`explain` is the text of one code (``grpo-cli explain CODE``, the same as ``docs/findings.md``).
+as ruff's); :func:`explain` is the text of one code (``grpo-cli explain CODE``, its section of
+``docs/findings.md``), rendered from its declaration in :mod:`grpo_cli.findings.catalog`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from importlib import resources
 from typing import Any
 
 from grpo_cli.errors import UsageError
+from grpo_cli.findings.catalog import RULES
 from grpo_cli.findings.detect import CATEGORIES, CODES, SEVERITIES, DetectConfig, Finding, detect, detector_inputs
 
 __all__ = [
@@ -89,11 +90,9 @@ def verdict(findings: Sequence[Mapping[str, Any]], n_tokens: int) -> str:
 
 def explain(code: str) -> str:
     """The documentation of ``code``: its section of ``docs/findings.md`` (what it means, why it matters, how it is
-    detected, how to fix it). Raises :class:`UsageError` for an unknown code."""
+    detected, how to fix it), rendered from its :class:`~grpo_cli.findings.catalog.Rule`. Raises
+    :class:`UsageError` for an unknown code."""
     code = code.upper()
     if code not in CODES:
         raise UsageError(f"unknown finding code '{code}' (known: {', '.join(CODES)})")
-    text = resources.files(__package__).joinpath("findings.md").read_text(encoding="utf-8")
-    start = text.index(f"\n## {code} ") + 1
-    end = text.find("\n## ", start + 1)
-    return text[start:] if end < 0 else text[start:end + 1]
+    return RULES[code].markdown()

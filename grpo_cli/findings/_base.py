@@ -1,5 +1,6 @@
-"""What every detector shares: the codes and categories, :class:`DetectConfig`, :class:`Finding`, and the plumbing
-that reads figures (numbers, per-step series, trends) and grades and caps severities."""
+"""What every detector shares: the codes and categories (derived from :mod:`grpo_cli.findings.catalog`),
+:class:`DetectConfig`, :class:`Finding`, and the plumbing that reads figures (numbers, per-step series, trends) and
+grades and caps severities."""
 
 from __future__ import annotations
 
@@ -8,36 +9,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from grpo_cli.findings.catalog import CATEGORIES as _CATALOG_CATEGORIES
+from grpo_cli.findings.catalog import RULES
 from grpo_cli.findings.thresholds import MIN_FLAGGED_SEQUENCES, MIN_SEQUENCES, MIN_TOKENS
 
 SEVERITIES = ("info", "warning", "error")
-CATEGORIES = (
-    "alignment", "temperature", "truncated-sampling", "mask", "weight-sync", "mismatch", "advantage", "no-signal",
-    "reference", "duplicates", "entropy-collapse", "length-truncation", "clipping", "importance-weights",
-    "staleness", "prox-approximation",
-)
-#: code → (category, short name)
-CODES: dict[str, tuple[str, str]] = {
-    "GRP101": ("alignment", "old_logp shifted against new_logp"),
-    "GRP102": ("temperature", "behaviour and training log-probs at different temperatures"),
-    "GRP103": ("truncated-sampling", "behaviour log-probs renormalised over a truncated set"),
-    "GRP104": ("mask", "prompt or padding tokens in the loss"),
-    "GRP105": ("mask", "response tokens missing from the loss"),
-    "GRP106": ("reference", "ref_logp is not a reference policy"),
-    "GRP107": ("duplicates", "sequences counted more than once"),
-    "GRP201": ("weight-sync", "train/inference disagreement grows step by step at lag 0"),
-    "GRP202": ("mismatch", "train/inference disagreement above bf16 level"),
-    "GRP203": ("importance-weights", "heavy-tailed importance weights"),
-    "GRP204": ("staleness", "lags beyond what the run corrects"),
-    "GRP205": ("prox-approximation", "approximated proximal policy beyond its safe lag"),
-    "GRP206": ("clipping", "clip fraction signals too large an update"),
-    "GRP301": ("advantage", "advantage sign opposite to reward"),
-    "GRP302": ("advantage", "advantages not centred within groups"),
-    "GRP303": ("advantage", "advantage scale inconsistent across groups"),
-    "GRP304": ("no-signal", "most groups have zero reward variance"),
-    "GRP401": ("entropy-collapse", "entropy falls towards zero over steps"),
-    "GRP402": ("length-truncation", "many responses cut at the length limit"),
-}
+CATEGORIES: tuple[str, ...] = _CATALOG_CATEGORIES
+"""Every category, in their public order (:data:`grpo_cli.findings.catalog.CATEGORIES`)."""
+#: code → (category, short name), in code order, from the declarations (:data:`grpo_cli.findings.catalog.RULES`)
+CODES: dict[str, tuple[str, str]] = {code: (rule.category, rule.name) for code, rule in RULES.items()}
 
 
 @dataclass(frozen=True)
@@ -82,7 +62,7 @@ class Finding:
     """One diagnostic.
 
     Attributes:
-        code: stable code (``GRP101`` …), ``docs/findings.md`` explains it.
+        code: stable code (``GRP101`` …), declared in :data:`grpo_cli.findings.catalog.RULES`.
         category: one of :data:`CATEGORIES`.
         severity: ``info``, ``warning`` or ``error``.
         title: one line.

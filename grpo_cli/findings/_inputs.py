@@ -17,6 +17,7 @@ from grpo_cli.findings._base import (
     _num,
     _sequences,
 )
+from grpo_cli.findings.catalog import RULES
 from grpo_cli.findings.thresholds import (
     DUP_CONTENT_WARNING,
     DUP_ID_ERROR,
@@ -58,13 +59,7 @@ def _alignment(c: _Ctx) -> list[Finding]:
             _num(f, f"diag/shift_abs_diff_{'p1' if side > 0 else 'm1'}"), None
         ),
     }
-    fix = (
-        "Write every per-token column with the same alignment: value t belongs to token t. Next-token-aligned "
-        "tensors (AReaL's loss inputs, OpenRLHF's action tensors, twinkle) must be un-rolled once — "
-        "RolloutWriter(alignment='next_token') or `--preset areal|openrlhf|twinkle` when reading. If only some "
-        "workers are affected, check the rollout path that fills old_logp (e.g. a response-only engine output "
-        "placed one slot off against the prompt)."
-    )
+    fix = RULES["GRP101"].fix
     return [Finding("GRP101", "alignment", sev, title, ev, {"sequences": _sequences(f.get("diag/shift_top"))},
                     fix, notes)]
 
@@ -91,13 +86,7 @@ def _temperature(c: _Ctx) -> list[Finding]:
         "diag/old_vs_new_intercept": _ev(_num(f, "diag/old_vs_new_intercept"), None),
         "diag/old_gt_new_frac": _ev(_num(f, "diag/old_gt_new_frac"), None),
     }
-    fix = (
-        "Score with the sampling temperature on both sides: the trainer must divide the logits by the rollout "
-        "temperature before log_softmax (AReaL `temperature` in the actor config, verl `rollout.temperature`, "
-        "TRL `temperature`, slime `--rollout-temperature`, OpenRLHF `--temperature`), and the engine must report "
-        "log-probs at that temperature (vLLM `logprobs_mode=processed_logprobs`; vLLM's default raw_logprobs are "
-        "pre-temperature; SGLang returns temperature-scaled log-probs unless SGLANG_RETURN_ORIGINAL_LOGPROB)."
-    )
+    fix = RULES["GRP102"].fix
     return [Finding("GRP102", "temperature", sev, title, ev,
                     {"sequences": _sequences(f.get("diag/old_minus_new_top"))}, fix)]
 
@@ -128,12 +117,7 @@ def _truncated(c: _Ctx) -> list[Finding]:
         "diag/seq_old_minus_new_mean": _ev(shift, ONESIDED_MIN_SHIFT, ci=ci),
         "diag/old_gt_new_frac": _ev(_num(f, "diag/old_gt_new_frac"), None),
     }
-    fix = (
-        "Either score the same truncated distribution in the trainer (slime replays the top-p set with "
-        "`--rollout-top-p`), or take behaviour log-probs of the full softmax (vLLM `logprobs_mode=raw_logprobs` "
-        "plus the temperature), or sample without truncation (top_p = 1, top_k = −1). An importance ratio against "
-        "renormalised log-probs is offset by log(kept mass) on every token."
-    )
+    fix = RULES["GRP103"].fix
     return [Finding("GRP103", "truncated-sampling", sev, title, ev,
                     {"sequences": _sequences(f.get("diag/old_minus_new_top"))}, fix, notes)]
 
@@ -164,12 +148,7 @@ def _mask(c: _Ctx) -> list[Finding]:
         sev = _max_sev(sev, g or "info")
     if sev is not None:
         title = "loss_mask covers prompt or padding tokens: " + ("; ".join(what) or "a few tokens")
-        fix = (
-            "Build loss_mask from the response positions only (1 on generated tokens including EOS, 0 on prompt "
-            "and padding): verl `response_mask`, TRL `completion_mask`, slime `loss_masks`, OpenRLHF "
-            "`action_mask`, AReaL `loss_mask` (rolled with the log-probs). Padding must be 0 in the mask, not 0.0 "
-            "log-probs under a 1."
-        )
+        fix = RULES["GRP104"].fix
         out.append(Finding("GRP104", "mask", sev, title, ev, {"sequences": _sequences(f.get("diag/mask_top"))},
                            fix))
     ev2: dict[str, dict[str, Any]] = {}
@@ -187,11 +166,7 @@ def _mask(c: _Ctx) -> list[Finding]:
     if sev2 is not None:
         frac = missing if missing is not None else holes
         title = f"loss_mask misses response tokens: {frac:.1%} of generated tokens are outside the loss"
-        fix = (
-            "Set loss_mask = 1 on every generated token of a kept sequence (only tool/environment output in "
-            "multi-turn rollouts and whole filtered sequences belong at 0). Check the code that edits the mask "
-            "in flight (rejection sampling, truncation masks) and dump the mask before such edits."
-        )
+        fix = RULES["GRP105"].fix
         out.append(Finding("GRP105", "mask", sev2, title, ev2, {"sequences": _sequences(f.get("diag/mask_top"))},
                            fix, notes))
     return out
@@ -227,11 +202,7 @@ def _reference(c: _Ctx) -> list[Finding]:
         title = f"ref_logp equals {worst[0]}_logp bitwise on {worst[1]:.0%} of tokens: it is not a reference policy"
     else:
         title = f"ref_logp is exactly 0 on {zero:.0%} of tokens: no reference model was run"
-    fix = (
-        "Load and run the reference model for ref_logp (verl `use_kl_loss`/`use_kl_in_reward` with a ref worker; "
-        "TRL `beta` > 0 loads it; AReaL fills zeros when no reference model is configured — write no ref_logp "
-        "then). Check that the dump writes the reference tensor, not the actor's or the engine's."
-    )
+    fix = RULES["GRP106"].fix
     return [Finding("GRP106", "reference", sev, title, ev, {}, fix, notes)]
 
 
@@ -240,11 +211,7 @@ def _duplicates(c: _Ctx) -> list[Finding]:
     id_frac, id_extra = _num(f, "diag/dup_id_frac"), _num(f, "diag/dup_id_extra")
     content = _num(f, "diag/dup_content_frac")
     where = {"sequences": f.get("diag/dup_where") or []}
-    fix = (
-        "Write each sequence once per step: one writer per rank with a distinct `rank`, no re-write after a retried "
-        "step, RolloutWriter(dedupe=True) for several forwards per sequence (PPO epochs). Deduplicate the dump "
-        "before trusting token means."
-    )
+    fix = RULES["GRP107"].fix
     if id_extra:
         sev = "error" if (id_frac or 0) >= DUP_ID_ERROR else "warning"
         title = f"{int(id_extra)} sequences repeat a (step, seq_id) already seen ({id_frac:.1%} of sequences)"

@@ -21,6 +21,7 @@ from grpo_cli.findings._base import (
     _series,
     _trend,
 )
+from grpo_cli.findings.catalog import RULES
 from grpo_cli.findings.thresholds import (
     BIG_SEQ_WARNING,
     CLIP_ERROR,
@@ -125,13 +126,7 @@ def _weight_sync(c: _Ctx) -> list[Finding]:
         f"diag/by_step[{key}] fitted rise": _ev(rise, SYNC_MIN_RISE),
         f"diag/by_step[{key}] rank correlation with step": _ev(rho, SYNC_RANK_CORR),
     }
-    fix = (
-        "Check the weight update of the inference engine after every optimiser step (the refit/broadcast "
-        "succeeded on every engine and rank; the version counter is bumped only after the new weights are "
-        "loaded). AReaL: `update_weights` then `set_version`; verl/slime: the rollout weight sync. A stale engine "
-        "whose version stamp advances looks exactly like this; if one worker is affected, its sequences lead "
-        "`where`."
-    )
+    fix = RULES["GRP201"].fix
     worst = sorted(series, key=lambda x: -x[1])[:5]
     where = {"steps": [s for s, _, _ in worst], "sequences": _sequences(f.get("diag/lag0_top"))}
     return [Finding("GRP201", "weight-sync", sev, title, ev, where, fix, notes)]
@@ -174,15 +169,7 @@ def _mismatch(c: _Ctx) -> list[Finding]:
             f"train/inference disagreement at lag 0 is above bf16 level: mean exp(|new − old|) = {mult:.3f}"
             + (f", {big:.0%} of lag-0 sequences above 0.1 nats" if big else "")
         )
-    fix = (
-        "Find the numerical difference between engine and trainer (precision bf16/fp8, attention or fused "
-        "kernels, MoE routing, a sampling parameter applied on one side) — NeMo RL's model-validation guide lists "
-        "these. Meanwhile correct for it: verl rollout correction (`rollout_is`, `rollout_is_threshold`, "
-        "`rollout_rs`), TRL `vllm_importance_sampling_correction` (`vllm_importance_sampling_mode`, "
-        "`vllm_importance_sampling_clip_max`), slime `--use-tis --tis-clip`, OpenRLHF "
-        "`enable_vllm_is_correction` (`vllm_is_correction_type`), AReaL `use_decoupled_loss` with "
-        "`rejection_sampling`."
-    )
+    fix = RULES["GRP202"].fix
     return [Finding("GRP202", "mismatch", sev, title, ev, {"sequences": _sequences(f.get("diag/lag0_top"))}, fix,
                     notes)]
 
@@ -224,13 +211,7 @@ def _importance(c: _Ctx) -> list[Finding]:
         f"{'lag-0 ' if n_lag0 >= c.cfg.min_tokens else ''}tokens outside [0.5, 2]"
         + (f", ESS {ess:.2f}" if ess is not None else "")
     )
-    fix = (
-        "Bound the weights with truncated or masked importance sampling: verl `rollout_is` (token/sequence) with "
-        "`rollout_is_threshold` and `rollout_rs`; TRL `vllm_importance_sampling_mode` (token/sequence, "
-        "truncate/mask) with `vllm_importance_sampling_clip_max`; slime `--use-tis --tis-clip` (or icepop); "
-        "OpenRLHF `vllm_is_correction_type` tis/icepop/seq-mask-tis with `vllm_is_truncated_threshold`; AReaL "
-        "`rejection_sampling` (level, action mask/clamp, upper). Look at the worst tokens first."
-    )
+    fix = RULES["GRP203"].fix
     tokens = [{"file": t.get("file"), "row": t.get("row"), "position": t.get("position"), "ratio": t.get("ratio")}
               for t in (f.get("top_kl") or [])[:5]]
     return [Finding("GRP203", "importance-weights", sev, title, ev, {"tokens": tokens}, fix, notes)]
@@ -256,16 +237,11 @@ def _staleness(c: _Ctx) -> list[Finding]:
     if sev is None:
         return [] if beyond == 0 else [c.finish(Finding(
             "GRP204", "staleness", "info", f"{frac:.1%} of generated tokens have a lag above {limit}",
-            {"lag beyond max_staleness frac": _ev(frac, STALE_WARNING)}, {}, ""))]
+            {"lag beyond max_staleness frac": _ev(frac, STALE_WARNING)}, {}, RULES["GRP204"].fix))]
     lag_max = max(k for k, _ in hist)
     title = f"{frac:.0%} of generated tokens are more than {limit} versions stale (max lag {lag_max})"
     rows = [r for r in (f.get("by_staleness") or []) if r.get("lag", -1) > limit][:5]
-    fix = (
-        "Bound the lag where samples are produced or dropped: AReaL `max_head_offpolicyness`, TRL async "
-        "`max_staleness`; or correct it: AReaL `use_decoupled_loss` (recomputed `prox_logp`) with "
-        "`rejection_sampling`, verl rollout correction (`rollout_is`, `rollout_rs`). Check that the lag the "
-        "correction assumes (`--max-staleness` here) is the run's."
-    )
+    fix = RULES["GRP204"].fix
     return [Finding("GRP204", "staleness", sev, title,
                     {"lag beyond max_staleness frac": _ev(frac, STALE_WARNING, max_staleness=limit),
                      "staleness/theta_max": _ev(lag_max, limit)},
@@ -293,11 +269,7 @@ def _prox(c: _Ctx) -> list[Finding]:
         f"(max lag {int(lag_max or 0)})"
     )
     rows = [r for r in f.get("diag/by_lag") or [] if r.get("lag", 0) > safe][:5]
-    fix = (
-        "Recompute the proximal policy (AReaL `prox_logp_method: recompute`, the default) or keep lags within the "
-        "safe lag (`max_head_offpolicyness`); `grpo-cli compare-prox` reports each method's error by lag "
-        "(`prox/<m>/max_safe_lag`). AReaL's docs advise care above about 10 steps of staleness."
-    )
+    fix = RULES["GRP205"].fix
     return [Finding("GRP205", "prox-approximation", sev, title,
                     {"diag/prox_beyond_safe_frac": _ev(beyond, PROX_BEYOND_WARNING),
                      "diag/prox_loglinear_safe_lag": _ev(int(safe), None)},
@@ -320,12 +292,7 @@ def _clipping(c: _Ctx) -> list[Finding]:
     ev = {"clip/ratio": _ev(overall, CLIP_WARNING)}
     if worst:
         ev["max over steps of clip fraction"] = _ev(worst[1], CLIP_WARNING, step=worst[0])
-    fix = (
-        "Take smaller policy steps: lower the learning rate, fewer PPO epochs/minibatches per batch (AReaL "
-        "`ppo_n_minibatches`, verl `ppo_epochs`/`ppo_mini_batch_size`, TRL `num_iterations`), or check that the "
-        "clip range matches the run (verl `clip_ratio_low/high`, AReaL `eps_clip`/`eps_clip_higher`, slime "
-        "`--eps-clip/--eps-clip-high`)."
-    )
+    fix = RULES["GRP206"].fix
     steps = sorted(series, key=lambda x: -x[1])[:5]
     return [Finding("GRP206", "clipping", sev, title, ev, {"steps": [s for s, v, _ in steps if v >= CLIP_WARNING]},
                     fix)]

@@ -15,6 +15,7 @@ from grpo_cli.findings._base import (
     _num,
     _series,
 )
+from grpo_cli.findings.catalog import RULES
 from grpo_cli.findings.thresholds import (
     ENTROPY_RATIO_ERROR,
     ENTROPY_RATIO_WARNING,
@@ -37,11 +38,6 @@ def _advantage(c: _Ctx) -> list[Finding]:
     groups = _num(f, "diag/groups_spread_n") or 0
     n_groups = _num(f, "diag/groups_n") or 0
     where_all = f.get("diag/adv_where") or []
-    fix_common = (
-        "Compute advantages per group from that group's rewards: A = (r − mean_g r)/(std_g r + ε) (TRL "
-        "`scale_rewards`, AReaL `reward_norm`/`adv_norm` with group level and group_size = samples per prompt, "
-        "OpenRLHF `group_norm`, slime grpo), with group ids that match the prompts."
-    )
     flip = _num(f, "diag/adv_sign_flip_frac")
     if flip:
         sev, notes = _few(_grade(flip, SIGN_WARNING, 2 * SIGN_WARNING), round(flip * groups), "groups")
@@ -50,8 +46,7 @@ def _advantage(c: _Ctx) -> list[Finding]:
             f"advantages fall as rewards rise in {flip:.0%} of groups: the advantage sign is flipped",
             {"diag/adv_sign_flip_frac": _ev(flip, SIGN_WARNING)},
             {"groups": [w for w in where_all if w["problem"] == "sign"]},
-            "Check the sign convention between reward, advantage and loss (loss = −A·ratio); a reward model "
-            "returning a cost, or a negated advantage in one worker, produces this. " + fix_common, notes))
+            RULES["GRP301"].fix, notes))
     unc = _num(f, "diag/adv_uncentred_frac")
     if unc:
         sev, notes = _few(_grade(unc, UNCENTRED_WARNING), round(unc * n_groups), "groups")
@@ -60,10 +55,7 @@ def _advantage(c: _Ctx) -> list[Finding]:
             f"advantages are not centred within {unc:.0%} of groups: group boundaries do not match group_id",
             {"diag/adv_uncentred_frac": _ev(unc, UNCENTRED_WARNING)},
             {"groups": [w for w in where_all if w["problem"] == "uncentred"]},
-            "If the run uses a group baseline (GRPO, RLOO, Dr.GRPO), the statistics were taken over the wrong "
-            "sequences: check group_size against the samples per prompt and the order of sequences when the "
-            "batch is reshaped to [groups, group_size]. A batch-level baseline (REINFORCE++) is not centred per "
-            "group by design. " + fix_common, notes))
+            RULES["GRP302"].fix, notes))
     out_frac = _num(f, "diag/adv_scale_outlier_frac")
     if out_frac:
         sev, notes = _few(_grade(out_frac, SCALE_WARNING), round(out_frac * groups), "groups")
@@ -73,8 +65,7 @@ def _advantage(c: _Ctx) -> list[Finding]:
             f"(scale exponent {_num(f, 'diag/adv_scale_exponent') or float('nan'):.2f}; −1 = group std, 0 = none)",
             {"diag/adv_scale_outlier_frac": _ev(out_frac, SCALE_WARNING),
              "diag/adv_scale_exponent": _ev(_num(f, "diag/adv_scale_exponent"), "−1 or 0")},
-            {}, "Normalise every group the same way (divide by the group std plus a small ε, or not at all). "
-            + fix_common, notes))
+            {}, RULES["GRP303"].fix, notes))
     return out
 
 
@@ -84,11 +75,7 @@ def _no_signal(c: _Ctx) -> list[Finding]:
     if z is None or z < ZERO_STD_INFO:
         return []
     sev = _grade(z, ZERO_STD_WARNING, ZERO_STD_ERROR) or "info"
-    fix = (
-        "Filter groups whose rewards are all equal and sample more prompts (DAPO's dynamic sampling), adjust the "
-        "prompt difficulty, or raise the samples per prompt; TRL logs this as `frac_reward_zero_std`, slime as "
-        "`zero_std/count_*`."
-    )
+    fix = RULES["GRP304"].fix
     return [Finding("GRP304", "no-signal", sev, f"{z:.0%} of groups have zero reward variance: no learning signal",
                     {"groups/zero_std_frac": _ev(z, ZERO_STD_WARNING)}, {}, fix)]
 
@@ -115,11 +102,7 @@ def _entropy(c: _Ctx) -> list[Finding]:
         sev = _cap(sev, notes, f"the mean reward rose from {rewards[0]:.3g} to {rewards[1]:.3g} over the same steps: "
                                "the policy may be converging")
     title = f"entropy falls from {h[0]:.3f} to {last:.3f} nats over the steps (×{ratio:.2f}): entropy collapse"
-    fix = (
-        "Slow the collapse: an entropy bonus (verl `entropy_coeff`, TRL `entropy_coef`), a higher clip on the "
-        "upper side (clip-higher: verl `clip_ratio_high`, AReaL `eps_clip_higher`, slime `--eps-clip-high`), "
-        "Clip-Cov/KL-Cov (verl), or a lower learning rate."
-    )
+    fix = RULES["GRP401"].fix
     evidence = {f"diag/by_step[{key}] last/first quarter": _ev(ratio, ENTROPY_RATIO_WARNING)}
     if rewards is not None:
         evidence["diag/by_step[reward_mean] last − first quarter"] = _ev(rewards[1] - rewards[0], REWARD_RISE)
@@ -140,12 +123,7 @@ def _truncation(c: _Ctx) -> list[Finding]:
         return []
     sev = _grade(overall, NO_EOS_WARNING, NO_EOS_ERROR) or "info"
     title = f"{overall:.0%} of responses end without EOS (cut at the length limit)"
-    fix = (
-        "Raise the generation limit (AReaL `max_new_tokens`, verl `data.max_response_length`, TRL "
-        "`max_completion_length`), or keep truncated responses out of the loss (TRL `mask_truncated_completions`, "
-        "AReaL `mask_no_eos_with_zero`) or shape their reward (AReaL `overlong_reward_penalty`, DAPO's overlong "
-        "penalty)."
-    )
+    fix = RULES["GRP402"].fix
     steps = sorted(series, key=lambda x: -x[1])[:5]
     return [Finding("GRP402", "length-truncation", sev, title, {"seq/no_eos_frac": _ev(overall, NO_EOS_WARNING)},
                     {"steps": [s for s, _, _ in steps]}, fix)]

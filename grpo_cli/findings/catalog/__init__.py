@@ -1,0 +1,104 @@
+"""Every finding code declared once, as ruff declares its rules: code, category, short name, title template,
+evidence keys, thresholds and the prose of its documentation (what it means, why it matters, how it is detected, how
+to fix it).
+
+The detectors take their ``fix`` from here, ``CODES`` and ``CATEGORIES`` of :mod:`grpo_cli.findings` derive from
+:data:`RULES` and :data:`CATEGORIES`, ``grpo-cli explain CODE`` prints :meth:`Rule.markdown`, and
+``docs/findings.md`` is :func:`render_docs`'s text (regenerate it with :data:`REGENERATE`). Torch-free.
+"""
+
+from __future__ import annotations
+
+from grpo_cli.findings.catalog._inputs import RULES as _INPUTS
+from grpo_cli.findings.catalog._policy import RULES as _POLICY
+from grpo_cli.findings.catalog._rule import WIDTH, Rule, fill, template_fields, wrap
+from grpo_cli.findings.catalog._training import RULES as _TRAINING
+
+__all__ = [
+    "CATEGORIES",
+    "COMMON_RULES",
+    "COMMON_THRESHOLDS",
+    "INTRODUCTION",
+    "REGENERATE",
+    "RULES",
+    "WIDTH",
+    "Rule",
+    "fill",
+    "render_docs",
+    "template_fields",
+    "wrap",
+]
+
+RULES: dict[str, Rule] = {rule.code: rule for rule in (*_INPUTS, *_POLICY, *_TRAINING)}
+"""Every rule by code, in code order."""
+
+CATEGORIES = (
+    "alignment", "temperature", "truncated-sampling", "mask", "weight-sync", "mismatch", "advantage", "no-signal",
+    "reference", "duplicates", "entropy-collapse", "length-truncation", "clipping", "importance-weights",
+    "staleness", "prox-approximation",
+)
+"""The categories of :data:`RULES`, in the order ``grpo_cli.findings.CATEGORIES`` has always listed them (the order
+they were introduced, not code order: a public contract)."""
+
+REGENERATE = "python -m grpo_cli.findings.catalog > docs/findings.md"
+"""The command that writes ``docs/findings.md`` from the declarations."""
+
+INTRODUCTION = (
+    "A finding turns figures into a diagnosis, the way a linter turns code into diagnostics: a stable **code** "
+    "(`GRP101`), a **category**, a **severity** (`info`, `warning`, `error`), a one-line **title**, the **evidence** "
+    "(each figure with its value and threshold, and a confidence bound where the statistic is noisy), **where** "
+    "(steps, lags, groups, and the worst sequences as file index and row) and a **fix** naming the option of AReaL, "
+    "verl, TRL, slime or OpenRLHF that changes the behaviour. `grpo-cli explain CODE` prints the section of this "
+    "page for `CODE`.\n\n"
+    "The detectors live in `grpo_cli/findings/` — `detect.py` (`detect(figures, per_step, config)`), one module per "
+    "family of codes (`_inputs.py` GRP1xx, `_policy.py` GRP2xx, `_training.py` GRP3xx–GRP4xx); the statistics they "
+    "need beyond `analyze`'s keys are the `diag/*` keys of `grpo_cli/core/diagnosis/` (mergeable states, streamed "
+    "like every other figure). Every threshold below is a named constant in `grpo_cli/findings/thresholds.py`, and "
+    "the values printed here are read from those constants. Each code is declared once in "
+    "`grpo_cli/findings/catalog/` (category, name, title, evidence, thresholds, this page's prose and the fix the "
+    "finding reports); this page is generated from the declarations: edit them, then run "
+    f"`{REGENERATE}`."
+)
+"""The page's introduction (markdown, unwrapped)."""
+
+COMMON_THRESHOLDS = ("MIN_TOKENS", "MIN_SEQUENCES", "MIN_FLAGGED_SEQUENCES")
+"""The thresholds every detector shares (:data:`COMMON_RULES` names them)."""
+
+COMMON_RULES = (
+    "- **Small dumps.** With fewer than {MIN_TOKENS} valid tokens (`MIN_TOKENS`) or {MIN_SEQUENCES} sequences "
+    "(`MIN_SEQUENCES`) every finding is `info` at most: a 1 % token fraction would rest on fewer than "
+    "{MIN_TOKENS:*0.01} tokens.\n"
+    "- **A few odd sequences.** Per-sequence detectors need at least {MIN_FLAGGED_SEQUENCES} flagged sequences (or "
+    "groups) for more than `info` (`MIN_FLAGGED_SEQUENCES`).\n"
+    "- **Confidence.** Where a statistic has a sampling bound (the mean old − new difference over sequences: a 95 % "
+    "normal interval, 1.96·sd/√n), a bound that reaches the threshold caps the finding at `info`.\n"
+    "- **Causes first.** An alignment shift (GRP101) or prompt tokens in the loss (GRP104) distort every old-vs-new "
+    "figure, so temperature, truncation, mismatch, weight-sync, importance-weight and clipping findings are capped "
+    'at `info` while they stand ("explained by GRP101"); a temperature (GRP102) or truncation (GRP103) finding caps '
+    "the mismatch, weight-sync and importance-weight findings the same way. Fix the cause and re-run.\n"
+    "- **Partial faults.** A fault that hits a fraction of the sequences (one broken rollout worker) is found "
+    "through per-sequence statistics (the fraction of sequences that look broken) rather than dump-wide means, and "
+    "`where` lists the worst sequences, which are the broken ones.\n"
+    "- **Calibration.** Thresholds come from sources where one exists and otherwise from measurements on simulated "
+    "dumps (`tests/simulate.py`: a drifting per-token categorical policy, a bf16 engine with kernel noise, GRPO "
+    "groups of 8, lags 0–3). The measured values quoted below are from those dumps: four healthy presets "
+    "(asynchronous lags 0–3; strictly on-policy; temperature 0.7 on both sides; a 1k-token dump) and every fault in "
+    "100 % and 30 % of the prompt groups.\n\n"
+    "Configuration (`DetectConfig`): `max_staleness` (default 4, the largest lag the run's correction is meant for) "
+    "and `prox_approximation` (`loglinear`/`linear` when the run approximates the proximal policy instead of "
+    "recomputing it)."
+)
+"""The rules every detector follows (markdown, unwrapped; a template over :data:`COMMON_THRESHOLDS`)."""
+
+
+def render_docs() -> str:
+    """``docs/findings.md``: the introduction, the common rules and one section per code (:meth:`Rule.markdown`),
+    threshold values read from :mod:`grpo_cli.findings.thresholds`."""
+    head = [
+        f"<!-- Generated from grpo_cli/findings/catalog/ by `{REGENERATE}`: edit the declarations, not this page. -->",
+        "# Findings",
+        wrap(INTRODUCTION),
+        "## Common rules",
+        wrap(fill(COMMON_RULES, COMMON_THRESHOLDS)),
+    ]
+    return "\n\n".join(head) + "\n\n" + "\n".join(rule.markdown() for rule in RULES.values())
