@@ -165,7 +165,7 @@ def analyze(
     from grpo_cli.commands.analyze import analyze as run_analysis
     from grpo_cli.findings import DetectConfig
     from grpo_cli.render.documents import analyze_document, to_csv, to_wide_csv
-    from grpo_cli.render.findings import render_findings, render_headline
+    from grpo_cli.render.findings import render_findings, render_headline, render_rescaling
     from grpo_cli.render.tables import render_group_table, render_table
 
     config = config_from(
@@ -209,6 +209,7 @@ def analyze(
     def draw(console: Console) -> None:
         render_findings(console, result.findings, n_tokens=int(result.metrics.get("n_tokens", 0)),
                         inputs=result.inputs)
+        render_rescaling(console, result.config)
         if not all_tables:
             render_headline(console, result.metrics, labels)
             if group_by is not None:

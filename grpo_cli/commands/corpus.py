@@ -98,7 +98,7 @@ class RunSpec:
     prompts_per_step: int = 16
     group_size: int = 8
     lags: tuple[int, int] = (0, 3)
-    sft_steps: int = 60
+    sft_steps: int = 30
     lr: float = 1e-3
     n_minibatches: int = 4
     lr_scale: float = 1.0

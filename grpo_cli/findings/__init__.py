@@ -68,23 +68,25 @@ def selected_codes(include: Sequence[str] | None = None, exclude: Sequence[str] 
 
 
 def severity_counts(findings: Sequence[Mapping[str, Any]]) -> dict[str, int]:
-    """``{"error": n, "warning": n, "info": n}``."""
+    """``{"error": n, "warning": n, "inconclusive": n, "info": n}``."""
     return {severity: sum(f["severity"] == severity for f in findings) for severity in reversed(SEVERITIES)}
 
 
 def verdict(findings: Sequence[Mapping[str, Any]], n_tokens: int) -> str:
-    """One line: ``2 problems, 1 warning in 1.2 M tokens`` (``no problem found in …`` when nothing reaches a
-    warning)."""
+    """One line: ``2 problems, 1 warning, 1 inconclusive in 1.2 M tokens`` (``no problem found in …`` only when
+    nothing reaches a warning and nothing is inconclusive)."""
     counts = severity_counts(findings)
     size = f"{n_tokens / 1e6:.1f} M tokens" if n_tokens >= 100_000 else f"{n_tokens:,} tokens"
     parts = []
-    if counts["error"]:
-        parts.append(f"{counts['error']} problem{'s' if counts['error'] != 1 else ''}")
-    if counts["warning"]:
-        parts.append(f"{counts['warning']} warning{'s' if counts['warning'] != 1 else ''}")
+    for severity, word in (("error", "problem"), ("warning", "warning"), ("inconclusive", "inconclusive")):
+        n = counts[severity]
+        if n:
+            parts.append(f"{n} {word}{'s' if n != 1 and severity != 'inconclusive' else ''}")
     if not parts:
         note = f" ({counts['info']} note{'s' if counts['info'] != 1 else ''})" if counts["info"] else ""
         return f"no problem found in {size}{note}"
+    if parts == [f"{counts['inconclusive']} inconclusive"]:
+        return f"no conclusive problem, {parts[0]} in {size}: more data would settle it"
     return f"{', '.join(parts)} in {size}"
 
 

@@ -9,11 +9,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from grpo_cli._intervals import wilson
 from grpo_cli.findings.catalog import CATEGORIES as _CATALOG_CATEGORIES
 from grpo_cli.findings.catalog import RULES
 from grpo_cli.findings.thresholds import MIN_FLAGGED_SEQUENCES, MIN_SEQUENCES, MIN_TOKENS
 
-SEVERITIES = ("info", "warning", "error")
+SEVERITIES = ("info", "inconclusive", "warning", "error")
+"""Least to most severe. ``inconclusive``: the statistic's estimate is past the warning threshold but its 95 %
+interval reaches back below it — more data would settle it either way; it never fails ``check``."""
 CATEGORIES: tuple[str, ...] = _CATALOG_CATEGORIES
 """Every category, in their public order (:data:`grpo_cli.findings.catalog.CATEGORIES`)."""
 #: code → (category, short name), in code order, from the declarations (:data:`grpo_cli.findings.catalog.RULES`)
@@ -66,7 +69,9 @@ class Finding:
         category: one of :data:`CATEGORIES`.
         severity: ``info``, ``warning`` or ``error``.
         title: one line.
-        evidence: figure → ``{"value": …, "threshold": …}`` (and ``"ci"`` where the statistic is noisy).
+        evidence: figure → ``{"value", "low", "high", "threshold"}``: the statistic, its 95 % interval over the
+            natural unit (sequences or GRPO groups; ``low == high == value`` for a count or an exact fact) and the
+            threshold it is graded against.
         where: steps, lags, groups, and the worst sequences as ``{"file", "row", …}``.
         fix: what to change in the trainer.
         notes: why the severity was capped, if it was.
@@ -121,8 +126,71 @@ def _few(severity: str | None, n: int, what: str) -> tuple[str, list[str]]:
     return severity, notes
 
 
-def _ev(value: Any, threshold: Any, **extra: Any) -> dict[str, Any]:
-    return {"value": value, "threshold": threshold, **extra}
+def _ev(value: Any, threshold: Any, low: Any = None, high: Any = None, **extra: Any) -> dict[str, Any]:
+    """An evidence entry; an exact statistic (a count, a fact of the dump) has ``low == high == value``."""
+    return {"value": value, "low": value if low is None else low, "high": value if high is None else high,
+            "threshold": threshold, **extra}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A statistic with its 95 % interval (``low``/``high`` infinite when no spread could be estimated)."""
+
+    value: float
+    low: float
+    high: float
+
+    def ev(self, threshold: Any, **extra: Any) -> dict[str, Any]:
+        return _ev(self.value, threshold, self.low, self.high, **extra)
+
+    def flipped(self) -> Estimate:
+        return Estimate(-self.value, -self.high, -self.low)
+
+
+def _estimate(fig: Mapping[str, Any], key: str) -> Estimate | None:
+    """``fig[key]`` as an :class:`Estimate`: a ``{"value", "low", "high"}`` dict, or a plain number taken as exact."""
+    v = fig.get(key)
+    if isinstance(v, Mapping):
+        value = v.get("value")
+        if isinstance(value, (int, float)) and math.isfinite(float(value)):
+            low, high = v.get("low"), v.get("high")
+            return Estimate(float(value), -math.inf if low is None else float(low),
+                            math.inf if high is None else float(high))
+        return None
+    n = _num(fig, key)
+    return None if n is None else Estimate(n, n, n)
+
+
+def _judge(est: Estimate, warning: float, error: float | None = None, *, below: bool = False) -> str | None:
+    """Severity from evidence: ``error`` when the whole interval is past ``error``, ``warning`` when it is past
+    ``warning``, ``inconclusive`` when the estimate is past ``warning`` but the interval reaches back, else
+    ``None``. ``below``: the thresholds are passed from above (smaller is worse)."""
+    if below:
+        return _judge(est.flipped(), -warning, None if error is None else -error)
+    if error is not None and est.low >= error:
+        return "error"
+    if est.low >= warning:
+        return "warning"
+    if est.value >= warning:
+        return "inconclusive"
+    return None
+
+
+def _wilson(k: int, n: int) -> Estimate:
+    """A fraction of ``n`` units (sequences, groups) with Wilson's 95 % score interval."""
+    low, high = wilson(k, n)
+    return Estimate(k / n if n else 0.0, low, high)
+
+
+def _settle(est: Estimate, threshold: float, n: float | None, unit: str) -> str:
+    """How much more data would make an estimate past ``threshold`` conclusive: the interval shrinks as 1/√n."""
+    gap, half = abs(est.value - threshold), abs(est.value - (est.low if est.value >= threshold else est.high))
+    if not math.isfinite(half) or gap <= 0:
+        return "more data would settle it"
+    factor = (half / gap) ** 2
+    if n:
+        return f"about {factor:.1f}× the data (≈ {math.ceil(n * factor):,} {unit}) would settle it"
+    return f"about {factor:.1f}× the data would settle it"
 
 
 def _sequences(rows: Any, limit: int = 5) -> list[dict[str, Any]]:
@@ -209,12 +277,6 @@ class _Ctx:
         )
 
     def finish(self, f: Finding) -> Finding:
-        if self.small and f.severity != "info":
-            f.severity = _cap(
-                f.severity, f.notes,
-                f"small dump ({int(self.n_tokens or 0)} valid tokens, {int(self.n_sequences or 0)} sequences; "
-                f"limits {self.cfg.min_tokens} and {self.cfg.min_sequences})",
-            )
         return f
 
 

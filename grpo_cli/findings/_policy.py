@@ -13,24 +13,28 @@ from grpo_cli.findings._base import (
     Finding,
     _cap,
     _Ctx,
+    _estimate,
     _ev,
     _grade,
+    _judge,
     _max_sev,
     _num,
     _sequences,
     _series,
+    _settle,
     _trend,
+    _wilson,
 )
 from grpo_cli.findings.catalog import RULES
 from grpo_cli.findings.thresholds import (
     BIG_SEQ_WARNING,
     CLIP_ERROR,
     CLIP_WARNING,
-    ESS_WARNING,
-    MIN_FLAGGED_SEQUENCES,
     MULT_ERROR_ERROR,
     MULT_ERROR_WARNING,
     PROX_BEYOND_WARNING,
+    PROX_EQUAL_ERROR,
+    PROX_EQUAL_WARNING,
     PROX_INFO_LAG,
     STALE_ERROR,
     STALE_WARNING,
@@ -134,87 +138,64 @@ def _weight_sync(c: _Ctx) -> list[Finding]:
 
 def _mismatch(c: _Ctx) -> list[Finding]:
     f = c.fig
-    mult = _num(f, "diag/lag0_mult_prob_error")
-    big = _num(f, "diag/lag0_big_seq_frac")
-    n_seq0 = _num(f, "diag/lag0_n_seq") or 0
+    mult = _estimate(f, "diag/pair_mult_prob_error")
+    if mult is None:
+        return []
+    sev = _judge(mult, MULT_ERROR_WARNING, MULT_ERROR_ERROR)
+    ev = {"diag/pair_mult_prob_error": mult.ev(MULT_ERROR_WARNING)}
+    big, n_seq0 = _num(f, "diag/lag0_big_seq_frac"), int(_num(f, "diag/lag0_n_seq") or 0)
+    if big is not None and n_seq0:
+        # One broken worker among healthy ones barely moves the mean; the share of lag-0 sequences far off shows it.
+        big_est = _wilson(round(big * n_seq0), n_seq0)
+        ev["diag/lag0_big_seq_frac"] = big_est.ev(BIG_SEQ_WARNING)
+        sev = _max_sev(sev, _judge(big_est, BIG_SEQ_WARNING))
+    if sev is None:
+        return []
     notes: list[str] = []
-    ev: dict[str, dict[str, Any]] = {}
-    lag0_rows = [r for r in f.get("by_staleness") or [] if r.get("lag") == 0 and r.get("abs_diff/mean") is not None]
-    if mult is None and lag0_rows:
-        # analyze's lag-0 row gives mean |Δ|; exp(mean |Δ|) ≤ mean exp(|Δ|) (Jensen), a lower bound of the error
-        bound = math.exp(float(lag0_rows[0]["abs_diff/mean"]))
-        sev = _grade(bound, MULT_ERROR_WARNING, MULT_ERROR_ERROR)
-        if sev is None:
-            return []
-        ev["exp(by_staleness[lag 0].abs_diff/mean)"] = _ev(bound, MULT_ERROR_WARNING, note="lower bound")
-        title = f"train/inference disagreement at lag 0 is above bf16 level: exp(mean |new − old|) = {bound:.3f}"
-    elif mult is None:
-        d = _num(f, "kl/abs_diff_mean")
-        if d is None or math.exp(d) < MULT_ERROR_WARNING:
-            return []
-        ev["exp(kl/abs_diff_mean)"] = _ev(math.exp(d), MULT_ERROR_WARNING)
-        title = f"train/inference disagreement mean |new − old| = {d:.3f} nats, staleness unknown"
-        notes.append("no versions: staleness cannot be separated from numerics")
-        sev = "info"
-    else:
-        sev = _grade(mult, MULT_ERROR_WARNING, MULT_ERROR_ERROR)
-        ev["diag/lag0_mult_prob_error"] = _ev(mult, MULT_ERROR_WARNING)
-        if big is not None:
-            ev["diag/lag0_big_seq_frac"] = _ev(big, BIG_SEQ_WARNING)
-            if big >= BIG_SEQ_WARNING and round(big * n_seq0) >= MIN_FLAGGED_SEQUENCES:
-                sev = _max_sev(sev, "warning")
-        if sev is None:
-            return []
-        title = (
-            f"train/inference disagreement at lag 0 is above bf16 level: mean exp(|new − old|) = {mult:.3f}"
-            + (f", {big:.0%} of lag-0 sequences above 0.1 nats" if big else "")
-        )
-    fix = RULES["GRP202"].fix
-    return [Finding("GRP202", "mismatch", sev, title, ev, {"sequences": _sequences(f.get("diag/lag0_top"))}, fix,
-                    notes)]
+    if f.get("diag/pair_scope") == "all tokens":
+        sev = _cap(sev, notes, "no versions: staleness cannot be separated from numerics")
+    elif sev == "inconclusive":
+        notes.append(_settle(mult, MULT_ERROR_WARNING, _num(f, "diag/pair_n_tokens"), "tokens"))
+    title = RULES["GRP202"].title.format(error=mult.value, frac=big or 0.0, scope=f.get("diag/pair_scope") or "lag 0")
+    return [Finding("GRP202", "mismatch", sev, title, ev, {"sequences": _sequences(f.get("diag/lag0_top"))},
+                    RULES["GRP202"].fix, notes)]
 
 
 def _importance(c: _Ctx) -> list[Finding]:
     f = c.fig
-    hi, lo = _num(f, "is/frac_high"), _num(f, "is/frac_low")
-    ess = _num(f, "is/ess")
-    spikes = _num(f, "spikes/n_ratio_gt_1e3")
-    ev: dict[str, dict[str, Any]] = {}
-    sev: str | None = None
-    tail = None
-    lag0 = _series(f, c.steps, "lag0_tail_frac", None)
-    n_lag0 = sum(x[2] for x in lag0)
-    if n_lag0 >= c.cfg.min_tokens:
-        # With versions, the weights of stale tokens also carry the policy's own change between versions, which
-        # decoupled PPO or rejection sampling corrects by design; the lag-0 tail is the engine/trainer part alone.
-        tail = sum(x[1] * x[2] for x in lag0) / n_lag0
-        ev["diag/by_step[lag0_tail_frac]"] = _ev(tail, TAIL_WARNING)
-        sev = _grade(tail, TAIL_WARNING, TAIL_ERROR)
-    elif hi is not None and lo is not None:
-        tail = hi + lo
-        ev["is/frac_high + is/frac_low"] = _ev(tail, TAIL_WARNING)
-        sev = _grade(tail, TAIL_WARNING, TAIL_ERROR)
-    if ess is not None:
-        ev["is/ess"] = _ev(ess, ESS_WARNING)
-        sev = _max_sev(sev, _grade(ess, ESS_WARNING, below=True))
-    if spikes:
-        ev["spikes/n_ratio_gt_1e3"] = _ev(int(spikes), 1)
-        sev = _max_sev(sev, "warning")
+    tail = _estimate(f, "diag/pair_tail_frac")
+    if tail is None:
+        return []
+    sev = _judge(tail, TAIL_WARNING, TAIL_ERROR)
     if sev is None:
         return []
     notes: list[str] = []
-    n_tail = (tail or 0) * (c.n_tokens or 0)
-    if not spikes and n_tail < 10 * MIN_FLAGGED_SEQUENCES:
-        sev = _cap(sev, notes, f"only about {int(n_tail)} tail tokens")
-    title = (
-        f"importance weights exp(new − old) are heavy-tailed: {0 if tail is None else tail:.2%} of "
-        f"{'lag-0 ' if n_lag0 >= c.cfg.min_tokens else ''}tokens outside [0.5, 2]"
-        + (f", ESS {ess:.2f}" if ess is not None else "")
-    )
-    fix = RULES["GRP203"].fix
+    if sev == "inconclusive":
+        notes.append(_settle(tail, TAIL_WARNING, _num(f, "diag/pair_n_tokens"), "tokens"))
+    ev = {"diag/pair_tail_frac": tail.ev(TAIL_WARNING)}
+    ess = _num(f, "is/ess")
+    if ess is not None:
+        ev["is/ess"] = _ev(ess, None)
+    title = RULES["GRP203"].title.format(frac=tail.value, scope=f.get("diag/pair_scope") or "lag 0",
+                                        partner=f.get("diag/pair_partner") or "new_logp")
     tokens = [{"file": t.get("file"), "row": t.get("row"), "position": t.get("position"), "ratio": t.get("ratio")}
               for t in (f.get("top_kl") or [])[:5]]
-    return [Finding("GRP203", "importance-weights", sev, title, ev, {"tokens": tokens}, fix, notes)]
+    return [Finding("GRP203", "importance-weights", sev, title, ev, {"tokens": tokens}, RULES["GRP203"].fix, notes)]
+
+
+def _prox_recompute(c: _Ctx) -> list[Finding]:
+    f = c.fig
+    frac = _estimate(f, "diag/prox_equal_old_seq_frac")
+    if frac is None or frac.value == 0:
+        return []
+    sev = _judge(frac, PROX_EQUAL_WARNING, PROX_EQUAL_ERROR) or "info"
+    notes: list[str] = []
+    if sev == "inconclusive":
+        notes.append(_settle(frac, PROX_EQUAL_WARNING, _num(f, "diag/prox_equal_old_n_stale"), "stale sequences"))
+    title = RULES["GRP207"].title.format(frac=frac.value)
+    ev = {"diag/prox_equal_old_seq_frac": frac.ev(PROX_EQUAL_WARNING),
+          "diag/prox_equal_old_n_stale": _ev(int(_num(f, "diag/prox_equal_old_n_stale") or 0), None)}
+    return [Finding("GRP207", "prox-approximation", sev, title, ev, {}, RULES["GRP207"].fix, notes)]
 
 
 def _lag_hist(f: Mapping[str, Any]) -> list[tuple[int, int]]:
@@ -301,11 +282,11 @@ def _clipping(c: _Ctx) -> list[Finding]:
 DETECTORS = (
     Detector(_weight_sync, ("GRP201",), groups=("diag/by_step", "diag/lags"),
              keys=("by_staleness", "kl/abs_diff_mean", "staleness/theta_mean")),
-    Detector(_mismatch, ("GRP202",), groups=("diag/lags",), keys=("by_staleness", "kl/abs_diff_mean")),
-    Detector(_importance, ("GRP203",), groups=("diag/by_step",),
-             keys=("is/frac_high", "is/frac_low", "is/ess", "spikes/n_ratio_gt_1e3", "top_kl")),
+    Detector(_mismatch, ("GRP202",), groups=("diag/pairs", "diag/lags")),
+    Detector(_importance, ("GRP203",), groups=("diag/pairs",), keys=("is/ess", "top_kl")),
     Detector(_staleness, ("GRP204",), groups=("diag/lags",), keys=("staleness/hist", "by_staleness")),
     Detector(_prox, ("GRP205",), groups=("diag/lags",), keys=("staleness/theta_max",)),
     Detector(_clipping, ("GRP206",), groups=("diag/by_step",), keys=("clip/ratio",)),
+    Detector(_prox_recompute, ("GRP207",), groups=("diag/pairs",)),
 )
 """The GRP2xx detectors, in the order :func:`~grpo_cli.findings.detect.detect` runs them."""

@@ -47,10 +47,12 @@ __all__ = [
 
 DETECTORS: tuple[Detector, ...] = (*_INPUTS, *_POLICY, *_TRAINING)
 """Every detector, in the order :func:`detect` runs them (causes first)."""
-_OLD_VS_NEW = {"temperature", "truncated-sampling", "mismatch", "weight-sync", "importance-weights", "clipping"}
+_OLD_VS_NEW = {"temperature", "truncated-sampling", "mismatch", "weight-sync", "importance-weights", "clipping",
+               "retokenization"}
 _DEMOTIONS: tuple[tuple[tuple[str, ...], set[str]], ...] = (
     (("GRP101", "GRP104"), _OLD_VS_NEW),
-    (("GRP102", "GRP103"), {"mismatch", "importance-weights", "weight-sync"}),
+    (("GRP102", "GRP103", "GRP108"), {"mismatch", "importance-weights", "weight-sync"}),
+    (("GRP202",), {"importance-weights"}),  # a mismatch's weights are its tail
     (("GRP101",), {"mask"}),  # GRP104's zeros may be the fill of the shifted column
 )
 """(causes, categories they demote): a detector in one of the categories needs the causes' detectors to run too."""
@@ -78,13 +80,29 @@ def detector_inputs(codes: Iterable[str]) -> tuple[list[str], list[str]]:
 
 def _demote(findings: list[Finding], causes: tuple[str, ...], categories: set[str]) -> None:
     """Cap at ``info`` the findings in ``categories`` when a finding in ``causes`` explains them."""
-    found = [f.code for f in findings if f.code in causes and f.severity != "info"]
+    found = [f.code for f in findings if f.code in causes and f.severity in ("warning", "error")]
     if not found:
         return
     why = ", ".join(found)
     for f in findings:
         if f.category in categories and f.code not in causes and f.severity != "info":
             f.severity = _cap(f.severity, f.notes, f"explained by {why}: fix that first and re-run")
+
+
+def _loud(findings: list[Finding], code: str) -> Finding | None:
+    return next((f for f in findings if f.code == code and f.severity in ("warning", "error")), None)
+
+
+def _retokenised_not_shifted(findings: list[Finding]) -> None:
+    """A short re-tokenised sequence can agree better at a one-token shift (the shifted comparison drops the pair
+    at its end, where the re-encoded token may sit): when no more sequences prefer a shift than twice those that are
+    re-tokenised, the re-tokenisation is the cause."""
+    retok, shift = _loud(findings, "GRP108"), _loud(findings, "GRP101")
+    if retok is None or shift is None:
+        return
+    shifted = max(v["value"] for k, v in shift.evidence.items() if k.startswith("diag/shift_seq_"))
+    if shifted <= 2 * retok.evidence["diag/retok_seq_frac"]["value"]:
+        shift.severity = _cap(shift.severity, shift.notes, "explained by GRP108: re-tokenised sequences look shifted")
 
 
 def detect(
@@ -104,11 +122,12 @@ def detect(
     findings: list[Finding] = []
     for detector in DETECTORS:
         findings.extend(ctx.finish(f) for f in detector.run(ctx))
+    _retokenised_not_shifted(findings)
     if any(f.code == "GRP101" and f.severity != "info" for f in findings):
         for f in findings:
             if f.code == "GRP104" and set(f.evidence) == {"diag/old_zero_new_nonzero_frac"} and f.severity != "info":
                 f.severity = _cap(f.severity, f.notes, "the zeros are the fill of the shifted column (GRP101)")
-    for causes, categories in _DEMOTIONS[:2]:
+    for causes, categories in _DEMOTIONS[:3]:
         _demote(findings, causes, categories)
     order = {s: i for i, s in enumerate(SEVERITIES)}
     return sorted(findings, key=lambda f: (-order[f.severity], f.code))

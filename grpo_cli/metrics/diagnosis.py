@@ -193,8 +193,8 @@ class ByStepGroup(_DiagGroup):
     name = "diag/by_step"
 
     def columns(self) -> frozenset[str]:
-        return frozenset({"new_logp", "old_logp", "prox_logp", "entropy", "versions", "current_version", "eos",
-                          "advantages", "rewards", "step"})
+        return frozenset({"new_logp", "old_logp", "prox_logp", "ref_logp", "entropy", "versions", "current_version",
+                          "eos", "advantages", "rewards", "step"})
 
     def init_state(self, config: Any, device: torch.device | str) -> MetricState:
         return by_step_state(device)
@@ -206,7 +206,7 @@ class ByStepGroup(_DiagGroup):
                        cu_seqlens=valid.cu_seqlens, old_logp=valid.old_logp, entropy=valid.entropy, lag=_lag(valid),
                        eos=valid.eos, advantages=valid.advantages, base_logp=valid.ratio_base_logp,
                        epsilon=config.epsilon, epsilon_high=config.epsilon_high, prox_logp=valid.prox_logp,
-                       rewards=valid.rewards)
+                       rewards=valid.rewards, ref_logp=valid.ref_logp)
 
     def compute(self, state: MetricState, config: Any) -> dict[str, Any]:
         if state["s"].shape[0] == 0:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grpo_cli._intervals import wilson
 from grpo_cli.core.diagnosis._common import (
     TOP_FIELDS,
     as_float,
@@ -44,7 +45,6 @@ from grpo_cli.core.diagnosis._common import (
     locations,
     table_rows,
     top_table,
-    wilson,
 )
 from grpo_cli.core.packing import segment_ids
 from grpo_cli.core.state import MetricState, count, top_rows, total

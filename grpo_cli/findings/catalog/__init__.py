@@ -35,7 +35,7 @@ RULES: dict[str, Rule] = {rule.code: rule for rule in (*_INPUTS, *_POLICY, *_TRA
 CATEGORIES = (
     "alignment", "temperature", "truncated-sampling", "mask", "weight-sync", "mismatch", "advantage", "no-signal",
     "reference", "duplicates", "entropy-collapse", "length-truncation", "clipping", "importance-weights",
-    "staleness", "prox-approximation",
+    "staleness", "prox-approximation", "retokenization",
 )
 """The categories of :data:`RULES`, in the order ``grpo_cli.findings.CATEGORIES`` has always listed them (the order
 they were introduced, not code order: a public contract)."""

@@ -52,23 +52,29 @@ RULES = (
         category="temperature",
         name="behaviour and training log-probs at different temperatures",
         title=(
-            "old_logp is tilted against new_logp (slope {slope:.2f}): behaviour and training log-probs look computed "
-            "at different temperatures (ratio ≈ {ratio:.2f})"
+            "behaviour log-probs are tilted against training log-probs in both regression directions: sampled at "
+            "{ratio:.2f}× the training temperature (T_behaviour/T_train, 95 % {low:.2f}–{high:.2f}; {partner} at "
+            "{scope})"
         ),
         evidence=(
-            "diag/lag0_old_vs_new_slope",
-            "diag/old_vs_new_slope",
-            "diag/old_vs_new_intercept",
-            "diag/old_gt_new_frac",
+            "diag/temperature_ratio",
+            "diag/pair_slope_old_on_new",
+            "diag/pair_slope_new_on_old_inverse",
+            "diag/pair_d_likely",
+            "diag/pair_d_unlikely",
         ),
-        thresholds=("SLOPE_WARNING", "SLOPE_ERROR", "SLOPE_MIN_LAG0"),
+        thresholds=("TEMPERATURE_WARNING", "TEMPERATURE_ERROR"),
         severity=(
-            "`error` when |b − 1| ≥ {SLOPE_ERROR}, `warning` from {SLOPE_WARNING}, where b is the slope of old "
-            "against new."
+            "`error` when the 95 % interval of the temperature ratio r = T_behaviour/T_train lies beyond a factor "
+            "1 + {TEMPERATURE_ERROR} from 1 (|ln r| ≥ ln(1 + {TEMPERATURE_ERROR})), `warning` beyond 1 + "
+            "{TEMPERATURE_WARNING}, `inconclusive` when the estimate is beyond 1 + {TEMPERATURE_WARNING} but its "
+            "interval is not; nothing unless both one-sided slopes lie on the same side of 1."
         ),
         meaning=(
-            "The engine's log-probs and the trainer's come from distributions at different temperatures: the "
-            "relation between them is tilted (b ≈ T_train/T_behaviour to first order), not shifted."
+            "The engine's log-probs and the trainer's come from distributions at different temperatures: within a "
+            "context, y = log softmax(z/T_b) against x = log softmax(z/T_t) is exactly the line y = (T_t/T_b)·x + c. "
+            "The title gives r = T_b/T_t: 0.70 means the engine sampled (and reported log-probs) at 0.7 while the "
+            "trainer scored at 1."
         ),
         why=(
             "Every weight exp(new − old) is then biased by a factor that grows with how unlikely the token is; clip "
@@ -76,11 +82,21 @@ RULES = (
             "the engine does not sample from."
         ),
         detection=(
-            "The least-squares line old ≈ a + b·new over lag-0 valid tokens (`diag/lag0_old_vs_new_slope`, when at "
-            "least {SLOPE_MIN_LAG0} lag-0 tokens exist; otherwise over all valid tokens, `diag/old_vs_new_slope`). "
-            "Lag-0 tokens are used because at lag > 0 the policy's own drift (an entropy that falls between "
-            "versions) tilts the line too. Measured: healthy presets b = 0.999–1.001 (bf16 noise lies in old, so it "
-            "does not dilute b); engine at 0.6, trainer at 1.0: b = 1.33 (100 %), 1.10 (30 %)."
+            "The pair is the behaviour log-prob y (`old_logp`) and the training log-prob x of the same token under the "
+            "same weights: lag-0 tokens (every token when the dump has no versions), x = `new_logp` or `prox_logp`, "
+            "whichever is closer to `old_logp` (`diag/pair_partner`: AReaL-style dumps recompute `prox_logp` with the "
+            "engine's weights while `new_logp` carries the step's minibatch updates). Tokens with |y − x| > 4 nats "
+            "(re-tokenised, broken) are left out. Noise in either column attenuates the least-squares slope of the "
+            "other (errors in variables), so the tilt must hold in both directions: b_yx = cov/var(x) "
+            "(`diag/pair_slope_old_on_new`) and b_xy⁻¹ = var(y)/cov (`diag/pair_slope_new_on_old_inverse`) must both "
+            "lie on the same side of 1 with their intervals. The estimate is their geometric mean b = sd(y)/sd(x) and "
+            "r = 1/b (`diag/temperature_ratio`). The offset c of a context grows with its flatness and would bias "
+            "every slope towards 1 (about 5 % at r = 0.7 on a peaked policy); when the dump has the trainer's "
+            "`entropy`, x and y are first residualised on it (Frisch–Waugh), which removes that bias. Intervals: "
+            "delete-a-block jackknife over 20 hash blocks of GRPO groups, at least ±1 % of r (bf16 resolution). A "
+            "truncated sampling set that lifts every token (GRP103) explains a tilt, so a conclusive GRP103 caps "
+            "this one. Measured on the corpus: healthy runs r = 1.00 ± 0.01 (T = 1 and T = 0.7 on both sides, lags "
+            "0–6, bf16 against fp32); engines at 0.7, 0.85 and 1.3 read 0.70, 0.85 and 1.30."
         ),
         fix=(
             "Use the sampling temperature on both sides: the trainer divides the logits by the rollout temperature "
@@ -96,20 +112,20 @@ RULES = (
         category="truncated-sampling",
         name="behaviour log-probs renormalised over a truncated set",
         title=(
-            "old_logp sits above new_logp on nearly every token in {frac:.0%} of sequences (mean +{shift:.3f} nats): "
-            "behaviour log-probs look renormalised over a top-p/top-k set"
+            "behaviour log-probs sit above training log-probs on likely and unlikely tokens alike ({frac:.0%} of "
+            "each, likely tokens +{shift:.3f} nats at {scope}): they look renormalised over a top-k/top-p set"
         ),
-        evidence=("diag/onesided_seq_frac", "diag/seq_old_minus_new_mean", "diag/old_gt_new_frac"),
-        thresholds=("ONESIDED_WARNING", "ONESIDED_ERROR", "ONESIDED_MIN_SHIFT"),
+        evidence=("diag/pair_onesided", "diag/pair_d_likely", "diag/pair_d_unlikely"),
+        thresholds=("ONESIDED_WARNING", "ONESIDED_ERROR"),
         severity=(
-            "`error` when at least {ONESIDED_ERROR:%} of the sequences are one-sided, `warning` from "
-            "{ONESIDED_WARNING:%}, provided the mean old − new over sequences is at least {ONESIDED_MIN_SHIFT} nats; "
-            "`info` when its 95 % interval reaches {ONESIDED_MIN_SHIFT}."
+            "`error` when the 95 % interval of the one-sided fraction lies at or above {ONESIDED_ERROR}, `warning` "
+            "above {ONESIDED_WARNING}, `inconclusive` when only the estimate does; nothing unless the mean excess is "
+            "positive on likely and unlikely tokens."
         ),
         meaning=(
-            "The engine samples from a top-p/top-k/min-p set and reports log-probs renormalised over it, while the "
-            "trainer scores the full softmax: log π_engine = log π − log S with S ≤ 1 the kept mass, so old sits "
-            "above new on nearly every token."
+            "The engine sampled from a truncated set (top-k, top-p, min-p) and reported log-probs renormalised over "
+            "it, while the trainer scores the full softmax: every sampled token's behaviour log-prob is lifted by "
+            "−log(kept mass)."
         ),
         why=(
             "The importance ratio π_θ/π_old is scaled by the kept mass on every token (the log-ratio is offset by "
@@ -117,12 +133,13 @@ RULES = (
             "set can never be corrected for."
         ),
         detection=(
-            "Per sequence with ≥ 8 valid tokens: the fraction of tokens with old > new; a sequence is one-sided at ≥ "
-            "95 % (`diag/onesided_seq_frac`); plus the mean over sequences of each sequence's mean old − new with "
-            "its 95 % interval (`diag/seq_old_minus_new_mean`, `diag/seq_old_minus_new_ci`). Healthy sequences are "
-            "one-sided with probability about 2⁻⁸. Measured: healthy ≤ 0.003 (mean −0.003 to 0.001); top-p 0.8: 0.99 "
-            "at 100 % (mean +0.18), 0.34 at 30 % (+0.056). When GRP102 also fires, read both: a colder engine lifts "
-            "confident tokens too."
+            "On the same pairs as GRP102 (lag 0, the same-weights training log-prob, |y − x| ≤ 4), the fraction of "
+            "tokens with y > x among likely tokens (trainer p ≥ 1/2) and among unlikely ones; the statistic "
+            "`diag/pair_onesided` is the smaller of the two (a bin of fewer than 10 tokens is left out). Numerical "
+            "noise gives ≈ 0.5 in both; a temperature lifts one bin and sinks the other (≤ 0.1 in one); "
+            "renormalisation lifts both (≈ 1). The mean excess per bin is `diag/pair_d_likely` and "
+            "`diag/pair_d_unlikely`. Measured on the corpus (a peaked policy after SFT, most sampled tokens p > 0.9): "
+            "healthy 0.45–0.6; top-k 2 and top-p 0.9 give 1.00."
         ),
         fix=(
             "Score the same truncated distribution in the trainer (slime replays the top-p set with "
@@ -212,9 +229,12 @@ RULES = (
         category="reference",
         name="ref_logp is not a reference policy",
         title=(
-            "ref_logp equals {column}_logp bitwise on {frac:.0%} of tokens: it is not a reference policy"
+            "ref_logp equals {other}_logp bitwise on {frac:.0%} of the tokens of {steps}: it is not a reference "
+            "policy"
         ),
-        evidence=("diag/equal_frac/{column}_ref", "diag/zero_frac/ref_logp"),
+        evidence=(
+            "diag/by_step[ref_equal_{other}] later half", "diag/equal_frac/{other}_ref", "diag/zero_frac/ref_logp",
+        ),
         thresholds=("REF_EQUAL_WARNING", "REF_EQUAL_ERROR", "REF_ZERO_ERROR"),
         severity=(
             "`error` when `ref_logp` equals another column on ≥ {REF_EQUAL_ERROR:%} of valid tokens or is exactly 0 "
@@ -230,10 +250,13 @@ RULES = (
             "stability has none."
         ),
         detection=(
-            "`diag/equal_frac/<a>_ref`: the fraction of valid tokens where the columns are bitwise equal and not 0 "
-            "(zeros say nothing about which policy produced a column); `diag/zero_frac/ref_logp`. A reference that "
-            "differs from the policy by any training step matches on ~0 tokens. Measured: healthy 0.00; copies of "
-            "old/new: 1.00 (100 %), 0.29 (30 %)."
+            "Per step, the valid tokens where `ref_logp` equals `new_logp`, `old_logp` or `prox_logp` bitwise and is "
+            "not 0 (zeros say nothing about which policy produced a column), pooled over the later half of the "
+            "dump's steps: a reference that is the policy's initial weights equals the policy in the first steps, "
+            "before the first update (and the proximal policy one step longer), and never after. A dump of steps 0 "
+            "and 1 only is capped at `info`. Without a step column, the dump-wide `diag/equal_frac/<a>_ref`. Also "
+            "`diag/zero_frac/ref_logp` (AReaL's placeholder). Measured on the corpus: healthy runs 0.00 on the later "
+            "steps (0.25 dump-wide, all from steps 0–1); a dump whose `ref_logp` is the actor's tensor: 1.00."
         ),
         fix=(
             "Run the reference model for `ref_logp` (verl with `use_kl_loss`/`use_kl_in_reward` and a reference "
@@ -277,6 +300,46 @@ RULES = (
             "Write each sequence once per step: one writer per rank with a distinct `rank`, no re-write after a "
             "retried step, `RolloutWriter(dedupe=True)` when a sequence is seen by several forwards (PPO epochs). "
             "Deduplicate the dump before trusting token means."
+        ),
+    ),
+    Rule(
+        code="GRP108",
+        category="retokenization",
+        name="the trainer scored other tokens than the engine sampled",
+        title=(
+            "{frac:.1%} of sequences ({n}) hold a token the engine found likely and the trainer scores ≥ 5 nats lower "
+            "({tokens} tokens): the trainer scores re-tokenised text"
+        ),
+        evidence=("diag/retok_seq_frac", "diag/retok_n_tokens"),
+        thresholds=("RETOK_WARNING", "RETOK_ERROR"),
+        severity=(
+            "`error` when the 95 % (Wilson) interval of the fraction of sequences lies at or above {RETOK_ERROR:%}, "
+            "`warning` above {RETOK_WARNING:%}, `inconclusive` when only the estimate does, `info` for fewer."
+        ),
+        meaning=(
+            "Between the engine and the trainer the response was decoded to text and encoded again (multi-turn "
+            "chat templates, tool output, a tokenizer that merges differently), so at some positions the trainer's "
+            "token id is not the one the engine sampled: its `new_logp` scores a token the policy never chose."
+        ),
+        why=(
+            "The importance ratio of such a token is e^−10 or smaller and the loss pushes up a token the policy "
+            "did not produce; every position after it is conditioned on a different context, so the whole "
+            "sequence's figures are wrong, and the ratio tails (GRP203) and disagreement (GRP202) follow from it."
+        ),
+        detection=(
+            "A generated token is re-tokenised when the engine's probability of it is at least 0.2 (`old_logp` ≥ "
+            "log 0.2) and the trainer's `new_logp` is at least 5 nats lower, at any lag (no few versions of "
+            "policy change move a likely token by e^5). `diag/retok_seq_frac` is the fraction of sequences with "
+            "such a token (Wilson interval), `where` lists the sequences with the most (`diag/retok_top`). "
+            "Measured on the corpus: healthy runs 0; one worker of four re-tokenising 40 % to 100 % of its "
+            "responses gives 0.10 to 0.25."
+        ),
+        fix=(
+            "Train on the engine's token ids, never on re-encoded text: keep the sampled `token_ids` from the "
+            "rollout (vLLM/SGLang return them) and build the training batch from them (verl and slime keep the "
+            "rollout's response ids; in multi-turn or agentic loops append each turn's ids rather than re-applying "
+            "the chat template to the whole conversation, as TRL's and verl's multi-turn rollouts do). Check the "
+            "rows in `where`: the first mismatching position is where the two tokenisations diverge."
         ),
     ),
 )

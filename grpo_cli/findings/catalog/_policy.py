@@ -81,21 +81,20 @@ RULES = (
         category="mismatch",
         name="train/inference disagreement above bf16 level",
         title=(
-            "train/inference disagreement at lag 0 is above bf16 level: mean exp(|new − old|) = {error:.3f}, "
-            "{frac:.0%} of lag-0 sequences above 0.1 nats"
+            "train/inference disagreement at {scope} is above bf16 level: mean exp(|old − same-weights training "
+            "log-prob|) = {error:.3f}, {frac:.0%} of lag-0 sequences above 0.1 nats"
         ),
         evidence=(
-            "diag/lag0_mult_prob_error",
+            "diag/pair_mult_prob_error",
             "diag/lag0_big_seq_frac",
-            "exp(by_staleness[lag 0].abs_diff/mean)",
-            "exp(kl/abs_diff_mean)",
         ),
-        thresholds=("MULT_ERROR_WARNING", "MULT_ERROR_ERROR", "BIG_SEQ_WARNING", "MIN_FLAGGED_SEQUENCES"),
+        thresholds=("MULT_ERROR_WARNING", "MULT_ERROR_ERROR", "BIG_SEQ_WARNING"),
         severity=(
-            "`error` when NeMo RL's multiplicative probability error at lag 0 is ≥ {MULT_ERROR_ERROR}, `warning` "
-            "from {MULT_ERROR_WARNING}; `warning` also when ≥ {BIG_SEQ_WARNING:%} of lag-0 sequences (≥ "
-            "{MIN_FLAGGED_SEQUENCES}) have a mean |new − old| above 0.1 nats; `info` without versions (staleness "
-            "cannot be separated from numerics)."
+            "`error` when the 95 % interval of NeMo RL's multiplicative probability error lies at or above "
+            "{MULT_ERROR_ERROR}, `warning` above {MULT_ERROR_WARNING}; `warning` also when the (Wilson) interval of "
+            "the share of lag-0 sequences with a mean |new − old| above 0.1 nats lies above {BIG_SEQ_WARNING:%}; "
+            "`inconclusive` when only an estimate does; `info` without versions (staleness cannot be separated from "
+            "numerics)."
         ),
         meaning=(
             "Tokens sampled with the trainer's own weights (lag 0) get log-probs from the engine that differ from "
@@ -107,13 +106,13 @@ RULES = (
             "concentrating on low-probability tokens and growing over training; uncorrected, it biases the gradient."
         ),
         detection=(
-            "`diag/lag0_mult_prob_error` = mean over lag-0 tokens of exp(|new − old|) (the metric NeMo RL's "
-            "model-validation guide uses; 1 = identical) and `diag/lag0_big_seq_frac`. From `analyze`'s keys alone, "
-            "exp of the lag-0 row's `abs_diff/mean` in `by_staleness` serves as a lower bound (Jensen); without "
-            "versions, exp(`kl/abs_diff_mean`) gives an `info`. Staleness is accounted for by using lag-0 tokens "
-            "only. Healthy bf16 level: 1.008 in the simulation (mean |Δ| 0.008), in line with published bf16 stacks "
-            "(~0.011); {MULT_ERROR_WARNING} is about 5× the healthy excess. Measured: extra noise of std 0.6 on the "
-            "engine's logits: 1.56 (100 %), 1.13 with 24 % of lag-0 sequences above 0.1 nats (30 %)."
+            "On the pairs of GRP102 (each behaviour log-prob against the training log-prob of the same weights: lag "
+            "0, `new_logp` or `prox_logp`, whichever is closer), `diag/pair_mult_prob_error` = mean exp(|old − x|) "
+            "(the metric NeMo RL's model-validation guide uses; 1 = identical), with a jackknife interval over blocks "
+            "of GRPO groups; `diag/lag0_big_seq_frac` finds one broken worker among healthy ones. Staleness and the "
+            "step's own updates never enter. Healthy corpus runs (bf16 engine, fp32 trainer): 1.01–1.03; "
+            "{MULT_ERROR_WARNING} is about twice the healthy excess. Measured: an int4-quantised engine gives "
+            "≈ 1.1 on every worker."
         ),
         fix=(
             "Find the numerical difference between engine and trainer: precision (bf16/fp8), attention and fused "
@@ -130,20 +129,18 @@ RULES = (
         category="importance-weights",
         name="heavy-tailed importance weights",
         title=(
-            "importance weights exp(new − old) are heavy-tailed: {frac:.2%} of {lag0}tokens outside [0.5, 2], ESS "
-            "{ess:.2f}"
+            "importance weights exp(x − old) against the same-weights training log-prob ({partner}, {scope}) are "
+            "heavy-tailed: {frac:.2%} of tokens outside [0.5, 2]"
         ),
         evidence=(
-            "diag/by_step[lag0_tail_frac]",
-            "is/frac_high + is/frac_low",
+            "diag/pair_tail_frac",
             "is/ess",
-            "spikes/n_ratio_gt_1e3",
         ),
-        thresholds=("TAIL_WARNING", "TAIL_ERROR", "ESS_WARNING", "MIN_FLAGGED_SEQUENCES", "MIN_TOKENS"),
+        thresholds=("TAIL_WARNING", "TAIL_ERROR"),
         severity=(
-            "`error` when ≥ {TAIL_ERROR:%} of valid tokens have w = exp(new − old) outside [1/2, 2], `warning` from "
-            "{TAIL_WARNING:%}; `warning` also when `is/ess` < {ESS_WARNING} or any weight exceeds 10³; `info` with "
-            "fewer than about {MIN_FLAGGED_SEQUENCES:*10} tail tokens."
+            "`error` when the 95 % interval of the tail fraction lies at or above {TAIL_ERROR:%}, `warning` above "
+            "{TAIL_WARNING:%}, `inconclusive` when only the estimate does. A mismatch finding (GRP202) or a cause "
+            "before it explains the tail and caps this one."
         ),
         meaning=(
             "A small share of tokens carries most of the importance weight: some behaviour log-probs are far below "
@@ -155,13 +152,14 @@ RULES = (
             "1 to 5e8)."
         ),
         detection=(
-            "Existing keys: `is/frac_high` + `is/frac_low` (verl's `rollout_is_threshold` C = 2), `is/ess` (verl's "
-            "effective sample size of truncated weights), `spikes/n_ratio_gt_1e3`. With at least "
-            "`DetectConfig.min_tokens` ({MIN_TOKENS} by default) lag-0 tokens the tail fraction is taken over lag-0 "
-            "tokens only (`lag0_tail_frac` of `diag/by_step`): the weights of stale tokens also carry the policy's "
-            "own change between versions, which decoupled PPO or rejection sampling corrects by design. `where` "
-            "lists the first rows of `top_kl`. Measured: healthy 0.0000 (ESS ≥ 0.998); 5 % of the hit sequences' "
-            "tokens lowered by a heavy-tailed draw: 0.029 (100 %), 0.008 (30 %)."
+            "The weight is judged on the ratio a correction applies to the engine/trainer part: exp(x − old) with x "
+            "the same-weights training log-prob of GRP102's pairs (lag 0; `prox_logp` when it is the closer "
+            "column, as in AReaL's decoupled loss). The weights of stale tokens also carry the policy's own change "
+            "between versions, which the decoupled loss or rejection sampling corrects by design, so they are not "
+            "counted: an asynchronous run with lags 0–6 is quiet. `diag/pair_tail_frac` is the fraction of those "
+            "tokens outside [1/2, 2] (verl's `rollout_is_threshold` 2), with a jackknife interval; `is/ess` is "
+            "shown for context. `where` lists the first rows of `top_kl`. Measured on the corpus: healthy runs "
+            "≤ 0.3 %."
         ),
         fix=(
             "Bound the weights with truncated or masked importance sampling: verl `rollout_is` (token/sequence) with "
@@ -276,6 +274,44 @@ RULES = (
             "`ppo_n_minibatches`, verl `ppo_epochs`/`ppo_mini_batch_size`, TRL `num_iterations`) or check that the "
             "clip range matches the run (verl `clip_ratio_low`/`clip_ratio_high`, AReaL "
             "`eps_clip`/`eps_clip_higher`, slime `--eps-clip`/`--eps-clip-high`)."
+        ),
+    ),
+    Rule(
+        code="GRP207",
+        category="prox-approximation",
+        name="prox_logp is old_logp: the proximal policy was not recomputed",
+        title=(
+            "prox_logp equals old_logp bitwise on every stale token of {frac:.0%} of stale sequences: the "
+            "proximal policy was not recomputed"
+        ),
+        evidence=("diag/prox_equal_old_seq_frac", "diag/prox_equal_old_n_stale"),
+        thresholds=("PROX_EQUAL_WARNING", "PROX_EQUAL_ERROR"),
+        severity=(
+            "`error` when the 95 % (Wilson) interval of the fraction of stale sequences lies at or above "
+            "{PROX_EQUAL_ERROR:%}, `warning` above {PROX_EQUAL_WARNING:%}, `inconclusive` when only the estimate does."
+        ),
+        meaning=(
+            "A decoupled loss (AReaL's decoupled PPO) clips against a proximal policy recomputed by the trainer and "
+            "weights by exp(prox − old); here `prox_logp` is the engine's `old_logp`, so the decoupling is off: the "
+            "ratio is clipped against the stale behaviour policy and the staleness correction is 1."
+        ),
+        why=(
+            "Every stale token's ratio then carries the whole policy change since it was sampled, the clip range is "
+            "spent on staleness instead of on this step's update, and the run behaves as plain PPO on off-policy "
+            "data — the failure decoupled PPO exists to prevent."
+        ),
+        detection=(
+            "Over generated tokens with a lag of at least 1 (`versions` needed): a sequence counts when `prox_logp` "
+            "equals `old_logp` bitwise on all its stale tokens (a recompute in the trainer's precision never matches "
+            "the engine's numerics on every token). `diag/prox_equal_old_seq_frac` is their fraction of the stale "
+            "sequences, with a Wilson interval. Lag-0 tokens are not counted: there the two policies coincide and a "
+            "trainer may legitimately reuse `old_logp`. Measured on the corpus: healthy runs 0; the fault 1.0."
+        ),
+        fix=(
+            "Recompute the proximal log-probs with the trainer's current weights before the update (AReaL "
+            "`use_decoupled_loss: true` with `prox_logp_method: recompute`, the default; in a custom loop, one "
+            "no-grad forward of the batch before the first minibatch), and pass that tensor as `prox_logp`. If the "
+            "run does not use a decoupled loss, do not dump a `prox_logp` column."
         ),
     ),
 )
