@@ -364,31 +364,69 @@ def test_figures_do_not_depend_on_batching(tmp_path: Path) -> None:
 _BIG = {"n_valid_tokens": 100_000, "n_sequences": 4000}
 
 
-def test_small_dump_caps_at_info() -> None:
-    fig = {**_BIG, "diag/shift_seq_late_frac": 0.5, "diag/shift_seq_early_frac": 0.0, "diag/shift_n_seq": 100}
-    assert [(f.code, f.severity) for f in detect(fig)] == [("GRP101", "error")]
-    small = {**fig, "n_valid_tokens": 2000, "n_sequences": 40}
-    (finding,) = detect(small)
-    assert finding.severity == "info" and "small dump" in finding.notes[0]
+def test_a_strong_effect_in_a_small_dump_is_an_error() -> None:
+    """No size cap: 20 of 40 sequences preferring the shift is conclusive (Wilson interval 0.35–0.65)."""
+    fig = {"n_valid_tokens": 2000, "n_sequences": 40, "diag/shift_seq_late_frac": 0.5,
+           "diag/shift_seq_early_frac": 0.0, "diag/shift_n_seq": 40}
+    (finding,) = detect(fig)
+    assert (finding.code, finding.severity) == ("GRP101", "error")
+    ev = finding.evidence["diag/shift_seq_late_frac"]
+    # Wilson's interval for 20/40, by hand: centre (0.5 + 1.96²/80)/(1 + 1.96²/40) = 0.5, half-width
+    # 1.96·√(0.25/40 + 1.96²/6400)/(1 + 1.96²/40) = 1.96·0.082766/1.09604 = 0.14801
+    assert ev["low"] == pytest.approx(0.5 - 0.14801, abs=1e-5) and ev["high"] == pytest.approx(0.5 + 0.14801, abs=1e-5)
+    assert ev["threshold"] == 0.02
 
 
-def test_few_flagged_sequences_stay_info() -> None:
+def test_few_flagged_sequences_are_inconclusive() -> None:
+    """2 of 100 sequences: the estimate reaches the warning threshold, the interval (0.6 %–7 %) does not."""
     fig = {**_BIG, "diag/shift_seq_late_frac": 0.02, "diag/shift_seq_early_frac": 0.0, "diag/shift_n_seq": 100}
-    (finding,) = detect(fig)  # 2 sequences prefer the shift: below MIN_FLAGGED_SEQUENCES
-    assert finding.code == "GRP101" and finding.severity == "info"
+    (finding,) = detect(fig)
+    assert finding.code == "GRP101" and finding.severity == "inconclusive"
+    assert "would settle it" in finding.notes[0]
 
 
-def test_confidence_bound_straddling_the_threshold_caps_at_info() -> None:
-    fig = {**_BIG, "diag/onesided_seq_frac": 0.3, "diag/seq_old_minus_new_mean": 0.02}
-    assert detect({**fig, "diag/seq_old_minus_new_ci": 0.005})[0].severity == "warning"
-    (finding,) = detect({**fig, "diag/seq_old_minus_new_ci": 0.015})
-    assert finding.code == "GRP103" and finding.severity == "info" and "interval" in finding.notes[0]
+def test_an_interval_straddling_the_threshold_is_inconclusive() -> None:
+    est = {"value": 0.9, "low": 0.7, "high": 1.0}
+    common = {**_BIG, "diag/pair_d_likely": {"value": 0.05, "low": 0.04, "high": 0.06},
+              "diag/pair_d_unlikely": {"value": 0.2, "low": 0.1, "high": 0.3}}
+    (finding,) = detect({**common, "diag/pair_onesided": est})
+    assert (finding.code, finding.severity) == ("GRP103", "inconclusive")
+    (finding,) = detect({**common, "diag/pair_onesided": {"value": 0.9, "low": 0.85, "high": 0.95}})
+    assert finding.severity == "warning"
+    (finding,) = detect({**common, "diag/pair_onesided": {"value": 0.99, "low": 0.96, "high": 1.0}})
+    assert finding.severity == "error"
+    # a tilt sinks the unlikely tokens: no truncation however one-sided the likely ones are
+    tilt = {**common, "diag/pair_d_unlikely": {"value": -0.3, "low": -0.4, "high": -0.2}}
+    assert detect({**tilt, "diag/pair_onesided": {"value": 0.99, "low": 0.96, "high": 1.0}}) == []
+
+
+def _pairs(ratio: float, low: float, high: float, b1: tuple[float, float, float],
+           b2: tuple[float, float, float]) -> dict[str, object]:
+    def est(v: tuple[float, float, float]) -> dict[str, float]:
+        return {"value": v[0], "low": v[1], "high": v[2]}
+
+    return {**_BIG, "diag/temperature_ratio": {"value": ratio, "low": low, "high": high},
+            "diag/pair_slope_old_on_new": est(b1), "diag/pair_slope_new_on_old_inverse": est(b2)}
+
+
+def test_temperature_needs_the_tilt_in_both_directions() -> None:
+    """Noise attenuates one slope below 1 and inflates the other above it: no temperature, whatever the ratio."""
+    (f,) = detect(_pairs(0.70, 0.69, 0.71, (1.40, 1.38, 1.42), (1.45, 1.43, 1.47)))
+    assert (f.code, f.severity) == ("GRP102", "error")
+    assert f.evidence["diag/temperature_ratio"]["value"] == 0.70 and "0.70×" in f.title
+    assert detect(_pairs(0.80, 0.75, 0.85, (0.68, 0.6, 0.76), (1.4, 1.3, 1.5))) == []
+    (f,) = detect(_pairs(0.93, 0.90, 0.96, (1.07, 1.05, 1.09), (1.08, 1.06, 1.10)))
+    # |ln 0.93| = 0.073 is past ln 1.05 = 0.049, but the interval of |ln r|, [|ln 0.96|, |ln 0.90|] =
+    # [0.041, 0.105], reaches back below it
+    assert f.severity == "inconclusive"
+    (f,) = detect(_pairs(0.90, 0.88, 0.92, (1.10, 1.08, 1.12), (1.12, 1.10, 1.14)))
+    assert f.severity == "warning"  # [0.083, 0.128]: past ln 1.05, not past ln 1.15 = 0.140
 
 
 def test_thresholds_and_evidence() -> None:
     (f,) = detect({**_BIG, "groups/zero_std_frac": 0.6})
     assert (f.code, f.category, f.severity) == ("GRP304", "no-signal", "warning")
-    assert f.evidence == {"groups/zero_std_frac": {"value": 0.6, "threshold": 0.5}}
+    assert f.evidence == {"groups/zero_std_frac": {"value": 0.6, "low": 0.6, "high": 0.6, "threshold": 0.5}}
     assert detect({**_BIG, "groups/zero_std_frac": 0.2}) == []
     (f,) = detect({**_BIG, "seq/no_eos_frac": 0.6})
     assert (f.code, f.severity) == ("GRP402", "error") and "max_completion_length" in f.fix
@@ -420,12 +458,15 @@ def test_findings_are_sorted_and_serialisable() -> None:
     assert json.loads(json.dumps([f.to_dict() for f in findings]))[0]["code"] == "GRP304"
 
 
-def test_mismatch_from_analyze_keys_alone() -> None:
-    lag0 = {"by_staleness": [{"lag": 0, "n_tokens": 1000, "abs_diff/mean": 0.1}, {"lag": 1, "n_tokens": 10}]}
-    (f,) = detect({**_BIG, **lag0})
-    assert (f.code, f.severity) == ("GRP202", "warning")  # exp(0.1) = 1.105: a lower bound of mean exp(|Δ|)
-    assert f.evidence["exp(by_staleness[lag 0].abs_diff/mean)"]["value"] == pytest.approx(math.exp(0.1))
-    (f,) = detect({**_BIG, "kl/abs_diff_mean": 0.1})
+def test_mismatch_and_its_tail() -> None:
+    """A mismatch conclusive past 1.1 is an error, and the weight tail it causes is explained by it."""
+    fig = {**_BIG, "diag/pair_scope": "lag 0",
+           "diag/pair_mult_prob_error": {"value": 1.15, "low": 1.12, "high": 1.18},
+           "diag/pair_tail_frac": {"value": 0.08, "low": 0.06, "high": 0.1}}
+    found = {f.code: f for f in detect(fig)}
+    assert found["GRP202"].severity == "error"
+    assert found["GRP203"].severity == "info" and found["GRP203"].notes[0].startswith("explained by GRP202")
+    (f,) = detect({**fig, "diag/pair_scope": "all tokens", "diag/pair_tail_frac": {"value": 0, "low": 0, "high": 0}})
     assert (f.code, f.severity) == ("GRP202", "info") and "staleness" in f.notes[0]
 
 

@@ -41,12 +41,14 @@ def test_codes_and_categories_keep_their_public_values_and_order():
         "GRP105": ("mask", "response tokens missing from the loss"),
         "GRP106": ("reference", "ref_logp is not a reference policy"),
         "GRP107": ("duplicates", "sequences counted more than once"),
+        "GRP108": ("retokenization", "the trainer scored other tokens than the engine sampled"),
         "GRP201": ("weight-sync", "train/inference disagreement grows step by step at lag 0"),
         "GRP202": ("mismatch", "train/inference disagreement above bf16 level"),
         "GRP203": ("importance-weights", "heavy-tailed importance weights"),
         "GRP204": ("staleness", "lags beyond what the run corrects"),
         "GRP205": ("prox-approximation", "approximated proximal policy beyond its safe lag"),
         "GRP206": ("clipping", "clip fraction signals too large an update"),
+        "GRP207": ("prox-approximation", "prox_logp is old_logp: the proximal policy was not recomputed"),
         "GRP301": ("advantage", "advantage sign opposite to reward"),
         "GRP302": ("advantage", "advantages not centred within groups"),
         "GRP303": ("advantage", "advantage scale inconsistent across groups"),
@@ -58,7 +60,7 @@ def test_codes_and_categories_keep_their_public_values_and_order():
     assert CATEGORIES == (
         "alignment", "temperature", "truncated-sampling", "mask", "weight-sync", "mismatch", "advantage",
         "no-signal", "reference", "duplicates", "entropy-collapse", "length-truncation", "clipping",
-        "importance-weights", "staleness", "prox-approximation",
+        "importance-weights", "staleness", "prox-approximation", "retokenization",
     )
     assert set(CATEGORIES) == {rule.category for rule in RULES.values()}
 
@@ -97,21 +99,22 @@ def test_every_threshold_constant_is_documented_by_a_rule():
 
 def test_the_page_prints_the_constants_values():
     page = render_docs()
-    assert f"With fewer than {thresholds.MIN_TOKENS} valid tokens" in page
+    assert f"`{thresholds.TEMPERATURE_WARNING}`" in page or f"= {thresholds.TEMPERATURE_WARNING}" in page
     grp101 = RULES["GRP101"].markdown()
     assert f"`SHIFT_SEQ_ERROR` = {thresholds.SHIFT_SEQ_ERROR:g}" in grp101
-    assert f"at least {thresholds.SHIFT_SEQ_ERROR * 100:g} % of the sequences" in grp101
+    assert f"at or above {thresholds.SHIFT_SEQ_ERROR * 100:g} %" in grp101
     # derived limits: 4 × MASK_FRAC_ERROR for trailing zero runs, 2 × SIGN_WARNING for a flipped sign
     assert f"`error` ≥ {4 * thresholds.MASK_FRAC_ERROR:g})" in fill(RULES["GRP104"].severity)
-    assert f"`error` when ≥ {2 * thresholds.SIGN_WARNING * 100:g} %" in fill(RULES["GRP301"].severity)
+    assert f"(`error` above {2 * thresholds.SIGN_WARNING * 100:g} %)" in fill(RULES["GRP301"].severity)
 
 
 def test_threshold_formats():
-    assert fill("{SHIFT_SEQ_WARNING} {SHIFT_SEQ_WARNING:%} {MIN_TOKENS:*0.01} {SIGN_WARNING:*2%}") == "0.02 2 % 40 10 %"
+    text = fill("{SHIFT_SEQ_WARNING} {SHIFT_SEQ_WARNING:%} {ZERO_STD_ERROR:*50} {SIGN_WARNING:*2%}")
+    assert text == "0.02 2 % 40 10 %"
     with pytest.raises(KeyError):
-        fill("{SLOPE_ERROR}", ("SLOPE_WARNING",))
+        fill("{TEMPERATURE_ERROR}", ("TEMPERATURE_WARNING",))
     with pytest.raises(ValueError):
-        fill("{SLOPE_ERROR:.2f}")
+        fill("{TEMPERATURE_ERROR:.2f}")
     assert fill("s ∈ {{−1, 0, +1}}") == "s ∈ {−1, 0, +1}"
 
 

@@ -12,7 +12,6 @@ from typing import Any
 from grpo_cli._intervals import wilson
 from grpo_cli.findings.catalog import CATEGORIES as _CATALOG_CATEGORIES
 from grpo_cli.findings.catalog import RULES
-from grpo_cli.findings.thresholds import MIN_FLAGGED_SEQUENCES, MIN_SEQUENCES, MIN_TOKENS
 
 SEVERITIES = ("info", "inconclusive", "warning", "error")
 """Least to most severe. ``inconclusive``: the statistic's estimate is past the warning threshold but its 95 %
@@ -32,13 +31,10 @@ class DetectConfig:
             defaults to 4; AReaL's ``max_head_offpolicyness`` bounds it at rollout time).
         prox_approximation: ``"loglinear"`` or ``"linear"`` when the run uses AReaL's ``prox_logp_method``
             approximation instead of recomputing, else ``None``.
-        min_tokens, min_sequences: the small-dump limits.
     """
 
     max_staleness: int = 4
     prox_approximation: str | None = None
-    min_tokens: int = MIN_TOKENS
-    min_sequences: int = MIN_SEQUENCES
 
 
 @dataclass(frozen=True)
@@ -116,14 +112,16 @@ def _cap(severity: str, notes: list[str], why: str) -> str:
     return "info"
 
 
-def _few(severity: str | None, n: int, what: str) -> tuple[str, list[str]]:
-    """``severity`` (``info`` when ``None``) and its notes, capped at ``info`` when only ``n`` <
-    :data:`MIN_FLAGGED_SEQUENCES` sequences or groups (``what``) are flagged: a handful is not a pattern."""
-    notes: list[str] = []
-    severity = severity or "info"
-    if n < MIN_FLAGGED_SEQUENCES:
-        severity = _cap(severity, notes, f"only {n} {what}")
-    return severity, notes
+def _graded_fraction(
+    frac: float, n: float, warning: float, error: float | None, unit: str
+) -> tuple[str, list[str], Estimate]:
+    """A fraction of ``n`` units graded by its Wilson interval: (severity, ``info`` when below every threshold;
+    notes; the estimate). Two flagged sequences of 64 are a fraction of 3 % with an interval from 1 % to 11 %:
+    inconclusive, not a warning."""
+    est = _wilson(round(frac * n), int(n))
+    severity = _judge(est, warning, error) or "info"
+    notes = [_settle(est, warning, n, unit)] if severity == "inconclusive" else []
+    return severity, notes, est
 
 
 def _ev(value: Any, threshold: Any, low: Any = None, high: Any = None, **extra: Any) -> dict[str, Any]:
@@ -272,9 +270,6 @@ class _Ctx:
         if n_seq is None:
             n_seq = sum(r.get("n_sequences", 0) for r in fig.get("diag/by_step") or []) or None
         self.n_tokens, self.n_sequences = n_tok, n_seq
-        self.small = (n_tok is not None and n_tok < cfg.min_tokens) or (
-            n_seq is not None and n_seq < cfg.min_sequences
-        )
 
     def finish(self, f: Finding) -> Finding:
         return f

@@ -15,8 +15,8 @@ from grpo_cli.findings._base import (
     _Ctx,
     _estimate,
     _ev,
-    _few,
     _grade,
+    _graded_fraction,
     _judge,
     _max_sev,
     _num,
@@ -55,11 +55,11 @@ def _alignment(c: _Ctx) -> list[Finding]:
     flagged = round(frac * n_seq)
     if flagged == 0:
         return []
-    sev, notes = _few(_grade(frac, SHIFT_SEQ_WARNING, SHIFT_SEQ_ERROR), flagged, "sequences prefer the shift")
+    sev, notes, est = _graded_fraction(frac, n_seq, SHIFT_SEQ_WARNING, SHIFT_SEQ_ERROR, "sequences")
     word = "late" if side > 0 else "early"
     title = f"old_logp looks one token {word} against new_logp in {frac:.1%} of sequences"
     ev = {
-        f"diag/shift_seq_{word}_frac": _ev(frac, SHIFT_SEQ_WARNING),
+        f"diag/shift_seq_{word}_frac": est.ev(SHIFT_SEQ_WARNING),
         "diag/shift_abs_diff_0": _ev(_num(f, "diag/shift_abs_diff_0"), None),
         f"diag/shift_abs_diff_{'p1' if side > 0 else 'm1'}": _ev(
             _num(f, f"diag/shift_abs_diff_{'p1' if side > 0 else 'm1'}"), None

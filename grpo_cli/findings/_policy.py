@@ -103,11 +103,15 @@ def _weight_sync(c: _Ctx) -> list[Finding]:
         if t is None:
             continue
         rho, start, end = t
-        if rho < SYNC_RANK_CORR or end - start < SYNC_MIN_RISE or start <= 0:
+        if rho < SYNC_RANK_CORR or end - start < SYNC_MIN_RISE:
             continue
         if key == "lag_excess" and end - start < _median_drift(f):
             continue  # within what one version of the policy's own change explains
-        ratio = end / start
+        # A rise from the bf16 floor can fit a line that starts below 0: measure it from the smallest observed value.
+        floor = min((v for _, v, _ in series if v > 0), default=0.0)
+        if max(start, floor) <= 0:
+            continue
+        ratio = end / max(start, floor)
         sev = _grade(ratio, SYNC_RATIO_WARNING, SYNC_RATIO_ERROR)
         if sev is not None and (best is None or ratio > best[3]):
             best = (key, sev, rho, ratio, end - start, series)
@@ -116,7 +120,8 @@ def _weight_sync(c: _Ctx) -> list[Finding]:
     key, sev, rho, ratio, rise, series = best
     lag_series = _series(f, c.steps, "lag_mean", "staleness/theta_mean")
     lt = _trend(lag_series)
-    if lt is not None and lt[2] - lt[1] > SYNC_LAG_DRIFT:
+    if not key.startswith("lag0") and lt is not None and lt[2] - lt[1] > SYNC_LAG_DRIFT:
+        # A rising lag explains a rising all-lag disagreement; the lag-0 series holds no staleness by construction.
         sev = _cap(sev, notes, f"the recorded lag rises too ({lt[1]:.2f} → {lt[2]:.2f}): this may be staleness")
     if key == "abs_diff_mean":
         sev = _cap(sev, notes, "lag unknown")

@@ -9,8 +9,8 @@ from grpo_cli.findings._base import (
     _cap,
     _Ctx,
     _ev,
-    _few,
     _grade,
+    _graded_fraction,
     _halves,
     _num,
     _series,
@@ -40,30 +40,31 @@ def _advantage(c: _Ctx) -> list[Finding]:
     where_all = f.get("diag/adv_where") or []
     flip = _num(f, "diag/adv_sign_flip_frac")
     if flip:
-        sev, notes = _few(_grade(flip, SIGN_WARNING, 2 * SIGN_WARNING), round(flip * groups), "groups")
+        sev, notes, est = _graded_fraction(flip, groups, SIGN_WARNING, 2 * SIGN_WARNING, "groups")
         out.append(Finding(
             "GRP301", "advantage", sev,
             f"advantages fall as rewards rise in {flip:.0%} of groups: the advantage sign is flipped",
-            {"diag/adv_sign_flip_frac": _ev(flip, SIGN_WARNING)},
+            {"diag/adv_sign_flip_frac": est.ev(SIGN_WARNING)},
             {"groups": [w for w in where_all if w["problem"] == "sign"]},
             RULES["GRP301"].fix, notes))
     unc = _num(f, "diag/adv_uncentred_frac")
     if unc:
-        sev, notes = _few(_grade(unc, UNCENTRED_WARNING), round(unc * n_groups), "groups")
+        judged = _num(f, "diag/adv_centring_n") or n_groups
+        sev, notes, est = _graded_fraction(unc, judged, UNCENTRED_WARNING, None, "groups")
         out.append(Finding(
             "GRP302", "advantage", sev,
             f"advantages are not centred within {unc:.0%} of groups: group boundaries do not match group_id",
-            {"diag/adv_uncentred_frac": _ev(unc, UNCENTRED_WARNING)},
+            {"diag/adv_uncentred_frac": est.ev(UNCENTRED_WARNING)},
             {"groups": [w for w in where_all if w["problem"] == "uncentred"]},
             RULES["GRP302"].fix, notes))
     out_frac = _num(f, "diag/adv_scale_outlier_frac")
     if out_frac:
-        sev, notes = _few(_grade(out_frac, SCALE_WARNING), round(out_frac * groups), "groups")
+        sev, notes, est = _graded_fraction(out_frac, groups, SCALE_WARNING, None, "groups")
         out.append(Finding(
             "GRP303", "advantage", sev,
             f"advantage scale is inconsistent across groups: {out_frac:.0%} of groups are normalised differently "
             f"(scale exponent {_num(f, 'diag/adv_scale_exponent') or float('nan'):.2f}; −1 = group std, 0 = none)",
-            {"diag/adv_scale_outlier_frac": _ev(out_frac, SCALE_WARNING),
+            {"diag/adv_scale_outlier_frac": est.ev(SCALE_WARNING),
              "diag/adv_scale_exponent": _ev(_num(f, "diag/adv_scale_exponent"), "−1 or 0")},
             {}, RULES["GRP303"].fix, notes))
     return out
@@ -121,12 +122,13 @@ def _truncation(c: _Ctx) -> list[Finding]:
         return []
     if overall < NO_EOS_INFO:
         return []
-    sev = _grade(overall, NO_EOS_WARNING, NO_EOS_ERROR) or "info"
+    n_seq = _num(f, "n_sequences") or sum(x[2] for x in series)
+    sev, notes, est = _graded_fraction(overall, n_seq, NO_EOS_WARNING, NO_EOS_ERROR, "sequences")
     title = f"{overall:.0%} of responses end without EOS (cut at the length limit)"
     fix = RULES["GRP402"].fix
     steps = sorted(series, key=lambda x: -x[1])[:5]
-    return [Finding("GRP402", "length-truncation", sev, title, {"seq/no_eos_frac": _ev(overall, NO_EOS_WARNING)},
-                    {"steps": [s for s, _, _ in steps]}, fix)]
+    return [Finding("GRP402", "length-truncation", sev, title, {"seq/no_eos_frac": est.ev(NO_EOS_WARNING)},
+                    {"steps": [s for s, _, _ in steps]}, fix, notes)]
 
 
 DETECTORS = (

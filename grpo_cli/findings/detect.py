@@ -3,9 +3,8 @@
 
 :func:`detect` is pure: it reads figures (the overall dict, optionally per-step rows) and returns
 :class:`Finding` objects sorted by severity and code. Every threshold is a module constant whose docstring gives the
-reason or source; ``docs/findings.md`` has one section per code. A detector never fires above ``info`` when the dump
-is small (:data:`MIN_TOKENS`, :data:`MIN_SEQUENCES`) or when the confidence bound of its statistic straddles the
-threshold, and several detectors need a minimum number of affected sequences, so a few odd tokens stay ``info``.
+reason or source; ``docs/findings.md`` has one section per code. Severity follows the evidence: each statistic's
+95 % interval against the thresholds (``inconclusive`` when only the estimate is past the warning threshold).
 
 Detectors whose statistic is explained by an earlier, more basic finding (an alignment shift or prompt tokens in the
 loss distort every old-vs-new figure) are demoted to ``info`` with a note, so the user fixes the cause first.
@@ -51,6 +50,8 @@ _OLD_VS_NEW = {"temperature", "truncated-sampling", "mismatch", "weight-sync", "
                "retokenization"}
 _DEMOTIONS: tuple[tuple[tuple[str, ...], set[str]], ...] = (
     (("GRP101", "GRP104"), _OLD_VS_NEW),
+    # a stale engine's lag-0 disagreement is the policy's drift: it reads as mismatch, and a tilt when entropy falls
+    (("GRP201",), {"mismatch", "importance-weights", "temperature"}),
     (("GRP102", "GRP103", "GRP108"), {"mismatch", "importance-weights", "weight-sync"}),
     (("GRP202",), {"importance-weights"}),  # a mismatch's weights are its tail
     (("GRP101",), {"mask"}),  # GRP104's zeros may be the fill of the shifted column
@@ -127,7 +128,7 @@ def detect(
         for f in findings:
             if f.code == "GRP104" and set(f.evidence) == {"diag/old_zero_new_nonzero_frac"} and f.severity != "info":
                 f.severity = _cap(f.severity, f.notes, "the zeros are the fill of the shifted column (GRP101)")
-    for causes, categories in _DEMOTIONS[:3]:
+    for causes, categories in _DEMOTIONS[:4]:
         _demote(findings, causes, categories)
     order = {s: i for i, s in enumerate(SEVERITIES)}
     return sorted(findings, key=lambda f: (-order[f.severity], f.code))

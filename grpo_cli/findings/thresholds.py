@@ -3,13 +3,6 @@ or source) and in ``docs/findings.md``'s section of its code."""
 
 from __future__ import annotations
 
-MIN_TOKENS = 4000
-"""Below this many valid tokens a finding is ``info`` at most: a token fraction of 1 % would rest on < 40 tokens,
-a handful of sequences."""
-MIN_SEQUENCES = 64
-"""Below this many sequences a finding is ``info`` at most (sequence fractions move by ≥ 1.5 % per sequence)."""
-MIN_FLAGGED_SEQUENCES = 3
-"""Per-sequence detectors need at least this many flagged sequences for more than ``info``."""
 SHIFT_SEQ_WARNING, SHIFT_SEQ_ERROR = 0.02, 0.10
 """GRP101: fraction of sequences agreeing better at a one-token shift (healthy simulated dumps: 0)."""
 TEMPERATURE_WARNING, TEMPERATURE_ERROR = 0.05, 0.15
@@ -74,8 +67,6 @@ BIG_SEQ_WARNING = 0.05
 TAIL_WARNING, TAIL_ERROR = 0.005, 0.05
 """GRP203: fraction of valid tokens with w = exp(new − old) outside [1/2, 2] (verl's ``rollout_is_threshold`` 2,
 ``is/frac_high + is/frac_low``); healthy simulated dumps: 0."""
-ESS_WARNING = 0.8
-"""GRP203: ``is/ess`` (truncated weights, verl's ESS) below this; healthy: ≥ 0.99."""
 STALE_WARNING, STALE_ERROR = 0.05, 0.25
 """GRP204: fraction of generated tokens with a lag above :attr:`DetectConfig.max_staleness`."""
 PROX_BEYOND_WARNING = 0.05
@@ -98,8 +89,9 @@ ZERO_STD_INFO, ZERO_STD_WARNING, ZERO_STD_ERROR = 0.25, 0.5, 0.8
 ENTROPY_RATIO_WARNING, ENTROPY_RATIO_ERROR = 0.5, 0.2
 """GRP401: the lower of the last quarter's mean entropy and the last step's, over the first quarter's mean
 (healthy simulated dumps: 0.92–1.05)."""
-REWARD_RISE = 0.1
+REWARD_RISE = 0.05
 """GRP401: a rise of the mean reward (last quarter of the steps over the first) from which an entropy fall reads as
-convergence (``info``), not collapse; rewards in [0, 1] (pass/fail) rise by far more when a run learns its task."""
+convergence (``info``), not collapse: five points of a [0, 1] reward. A healthy on-policy corpus run halves its
+entropy in 8 steps while its mean reward rises by 0.085 from 0.8; a collapsing run's reward does not follow."""
 NO_EOS_INFO, NO_EOS_WARNING, NO_EOS_ERROR = 0.05, 0.2, 0.5
 """GRP402: ``seq/no_eos_frac`` overall or on any step (healthy simulation: ≈ 0.03)."""

@@ -18,8 +18,8 @@ and y the behaviour log-prob of a token and d = y − x:
 - **mismatch** — NeMo RL's mean exp(|d|) (1 = identical) and the weight tail, the fraction of tokens whose weight
   exp(−d) leaves [1/2, 2] (verl's ``rollout_is_threshold`` 2).
 - **re-tokenisation** — the trainer scored another token id than the engine sampled: x far below y
-  (x ≤ y − :data:`RETOK_GAP`) where the engine found the token likely (y ≥ log :data:`RETOK_LIKELY`), at any lag
-  (no policy change moves a likely token by e^5 in a few versions).
+  (x ≤ y − :data:`RETOK_GAP`) where the engine found the token likely (y ≥ log :data:`RETOK_LIKELY`), on the
+  same-weights tokens (a learning-rate spike can move a stale token by e^5; nothing moves a lag-0 token so far).
 - **proximal recompute** — on stale tokens (lag ≥ 1) a recomputed ``prox_logp`` never equals ``old_logp`` bitwise;
   a sequence whose every stale token does was not recomputed.
 
@@ -159,9 +159,10 @@ def pairs_update(
     state.update(pair=pair)
 
     n_seq = cu_seqlens.numel() - 1
-    retok = gen & (y >= math.log(RETOK_LIKELY)) & (x_new <= y - RETOK_GAP)
+    # Only same-weights tokens: a policy blown up by a learning-rate spike moves stale tokens by e^5 too.
+    retok = same & (y >= math.log(RETOK_LIKELY)) & (x_new <= y - RETOK_GAP)
     per_seq_retok = counts_by(seq, retok, n_seq)
-    has_gen = counts_by(seq, gen, n_seq) > 0
+    has_gen = counts_by(seq, same, n_seq) > 0
     flags = [has_gen, per_seq_retok > 0]
     if prox_logp is not None and lag is not None:
         stale = lag >= 1
@@ -248,7 +249,7 @@ def pairs_compute(state: MetricState) -> dict[str, Any]:
     ``diag/temperature_ratio`` T_behaviour/T_train = 1/b; ``diag/pair_d_likely`` and ``diag/pair_d_unlikely`` (mean
     d by token likelihood), ``diag/pair_onesided`` (the smaller of the two bins' fractions with d > 0);
     ``diag/pair_mult_prob_error`` (mean exp|d|), ``diag/pair_abs_diff_mean``, ``diag/pair_tail_frac`` (|d| > log 2);
-    ``diag/retok_seq_frac`` (sequences with a re-tokenised token among those with generated tokens),
+    ``diag/retok_seq_frac`` (sequences with a re-tokenised token among those with same-weights tokens),
     ``diag/retok_n_seq``, ``diag/retok_n_tokens``, ``diag/retok_top``; ``diag/prox_equal_old_seq_frac`` (stale
     sequences whose ``prox_logp`` equals ``old_logp`` on every stale token), ``diag/prox_equal_old_n_stale``.
     """

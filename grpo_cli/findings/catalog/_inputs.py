@@ -14,11 +14,11 @@ RULES = (
             "old_logp looks one token {side} against new_logp in {frac:.1%} of sequences"
         ),
         evidence=("diag/shift_seq_{side}_frac", "diag/shift_abs_diff_0", "diag/shift_abs_diff_{shift}"),
-        thresholds=("SHIFT_SEQ_WARNING", "SHIFT_SEQ_ERROR", "MIN_FLAGGED_SEQUENCES"),
+        thresholds=("SHIFT_SEQ_WARNING", "SHIFT_SEQ_ERROR"),
         severity=(
-            "`error` when at least {SHIFT_SEQ_ERROR:%} of the sequences agree better at a one-token shift, `warning` "
-            "from {SHIFT_SEQ_WARNING:%}, `info` below, with fewer than {MIN_FLAGGED_SEQUENCES} such sequences, or on "
-            "a small dump."
+            "`error` when the 95 % (Wilson) interval of the fraction of sequences that agree better at a one-token "
+            "shift lies at or above {SHIFT_SEQ_ERROR:%}, `warning` above {SHIFT_SEQ_WARNING:%}, `inconclusive` when "
+            "only the estimate does (two sequences of a hundred), `info` below."
         ),
         meaning=(
             "`old_logp` (the engine's log-probs) is one token late or early against `new_logp`: value t belongs to "
@@ -328,9 +328,10 @@ RULES = (
         ),
         detection=(
             "A generated token is re-tokenised when the engine's probability of it is at least 0.2 (`old_logp` ≥ "
-            "log 0.2) and the trainer's `new_logp` is at least 5 nats lower, at any lag (no few versions of "
-            "policy change move a likely token by e^5). `diag/retok_seq_frac` is the fraction of sequences with "
-            "such a token (Wilson interval), `where` lists the sequences with the most (`diag/retok_top`). "
+            "log 0.2) and the trainer's `new_logp` is at least 5 nats lower, on same-weights tokens (lag 0, or every "
+            "token without versions: a learning-rate spike can move a stale token by e^5, nothing moves a lag-0 "
+            "one so far). `diag/retok_seq_frac` is the fraction of sequences with such a token among those with "
+            "lag-0 tokens (Wilson interval), `where` lists the sequences with the most (`diag/retok_top`). "
             "Measured on the corpus: healthy runs 0; one worker of four re-tokenising 40 % to 100 % of its "
             "responses gives 0.10 to 0.25."
         ),

@@ -14,10 +14,11 @@ RULES = (
             "advantages fall as rewards rise in {frac:.0%} of groups: the advantage sign is flipped"
         ),
         evidence=("diag/adv_sign_flip_frac",),
-        thresholds=("SIGN_WARNING", "MIN_FLAGGED_SEQUENCES"),
+        thresholds=("SIGN_WARNING",),
         severity=(
-            "`error` when ≥ {SIGN_WARNING:*2%} of the groups with reward spread have cov(reward, advantage) < 0, "
-            "`warning` from {SIGN_WARNING:%}, `info` below or with fewer than {MIN_FLAGGED_SEQUENCES} groups."
+            "`warning` when the 95 % (Wilson) interval of the fraction of groups lies above "
+            "{SIGN_WARNING:%} (`error` above {SIGN_WARNING:*2%}), `inconclusive` when only the estimate does, `info` "
+            "below."
         ),
         meaning=(
             "Within a group, sequences with higher rewards get lower advantages."
@@ -46,10 +47,11 @@ RULES = (
             "advantages are not centred within {frac:.0%} of groups: group boundaries do not match group_id"
         ),
         evidence=("diag/adv_uncentred_frac",),
-        thresholds=("UNCENTRED_WARNING", "MIN_FLAGGED_SEQUENCES"),
+        thresholds=("UNCENTRED_WARNING",),
         severity=(
-            "`warning` when ≥ {UNCENTRED_WARNING:%} of the groups have a mean advantage that is not 0, `info` below "
-            "or with fewer than {MIN_FLAGGED_SEQUENCES} groups."
+            "`warning` when the 95 % (Wilson) interval of the fraction of groups lies above "
+            "{UNCENTRED_WARNING:%}, `inconclusive` when only the estimate does, `info` "
+            "below."
         ),
         meaning=(
             "The group baseline was computed over other sequences than the group: group boundaries do not match "
@@ -84,10 +86,11 @@ RULES = (
             "exponent {exponent:.2f}; −1 = group std, 0 = none)"
         ),
         evidence=("diag/adv_scale_outlier_frac", "diag/adv_scale_exponent"),
-        thresholds=("SCALE_WARNING", "MIN_FLAGGED_SEQUENCES"),
+        thresholds=("SCALE_WARNING",),
         severity=(
-            "`warning` when ≥ {SCALE_WARNING:%} of the groups are normalised differently from the rest, `info` below "
-            "or with fewer than {MIN_FLAGGED_SEQUENCES} groups."
+            "`warning` when the 95 % (Wilson) interval of the fraction of groups lies above "
+            "{SCALE_WARNING:%}, `inconclusive` when only the estimate does, `info` "
+            "below."
         ),
         meaning=(
             "Most groups divide (r − mean) by one thing and some by another: a worker with a different normalisation "
