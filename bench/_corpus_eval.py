@@ -30,7 +30,7 @@ class Outcome:
         return [f for f in self.findings if f["severity"] in LOUD]
 
     def named(self) -> bool:
-        return any(f["category"] == self.case.category for f in self.loud())
+        return any(f["category"] in (self.case.category, *self.case.also) for f in self.loud())
 
     def precision(self) -> float | None:
         rows = [(w["file"], w["row"]) for f in self.loud() if f["category"] == self.case.category

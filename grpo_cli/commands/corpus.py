@@ -306,8 +306,8 @@ def _run(spec: RunSpec, directory: Path) -> RunInfo:  # one loop, read top to bo
         for v in range(spec.steps):
             snapshots.append(copy.deepcopy(policy).eval())
             if spec.lr_scale != 1.0 and v == spec.lr_scale_from:
-                for g in optimizer.param_groups:
-                    g["lr"] = spec.lr * spec.lr_scale
+                for param_group in optimizer.param_groups:
+                    param_group["lr"] = spec.lr * spec.lr_scale
             # ---- rollouts: each group from its worker's engine at its lag ----
             plan = []
             for g in range(spec.prompts_per_step):
@@ -371,7 +371,7 @@ def _run(spec: RunSpec, directory: Path) -> RunInfo:  # one loop, read top to bo
             inside = pos < lengths[:, None]
             prompt_len = torch.tensor([r["prompt"] for r in rows])
             response = inside & (pos >= prompt_len[:, None])
-            lag = torch.tensor([v - r["version"] for r in rows], dtype=torch.float32)
+            row_lag = torch.tensor([v - r["version"] for r in rows], dtype=torch.float32)
             with torch.no_grad():
                 new, entropy = _teacher_forced(policy, tokens, spec.temperature)
                 prox_rc, _ = _teacher_forced(snapshots[max(v - 1, 0)], tokens, spec.temperature)
@@ -379,7 +379,7 @@ def _run(spec: RunSpec, directory: Path) -> RunInfo:  # one loop, read top to bo
             if spec.prox == "old":
                 prox = old.clone()
             elif spec.prox == "loglinear":
-                alpha = torch.where(lag >= 1, (lag - 1) / lag.clamp_min(1), 0.0)[:, None]
+                alpha = torch.where(row_lag >= 1, (row_lag - 1) / row_lag.clamp_min(1), 0.0)[:, None]
                 prox = old + alpha * (new - old)
             else:
                 prox = prox_rc

@@ -25,6 +25,8 @@ class Case:
         options: ``analyze`` options the run needs (``max_staleness``, ``prox_approximation``).
         localised: whether the fault hits identifiable rows (precision of ``where`` is testable).
         magnitude: the fault's size, for the power table (e.g. the temperature ratio).
+        also: other categories that name the same physical fault correctly (a learning-rate blow-up shows as
+            clipping or, once the policy has collapsed, as entropy collapse).
     """
 
     name: str
@@ -33,6 +35,7 @@ class Case:
     options: dict[str, Any] = field(default_factory=dict)
     localised: bool = False
     magnitude: float | None = None
+    also: tuple[str, ...] = ()
 
 
 def _cases(fault: str, category: str, variants: list[tuple[float, dict[str, Any]]], **kw: Any) -> list[Case]:
@@ -79,9 +82,11 @@ FAULTS: dict[str, list[Case]] = {
     "no_prox_recompute": _cases("no_prox_recompute", "prox-approximation", [(1.0, {"prox": "old"})]),
     # Lags past the bound the run's correction is set for.
     "stale": _cases("stale", "staleness", [(8, {"lags": (0, 8)}), (6, {"lags": (0, 6)})]),
-    # A learning-rate blow-up from step 2 on.
+    # A learning-rate blow-up from step 2 on: the clip fraction jumps, or, once the policy has collapsed onto its
+    # likeliest tokens (ratios of sampled tokens near 1 again), the entropy falls.
     "lr_blowup": _cases("lr_blowup", "clipping", [(30, {"lr_scale": 30.0, "lr_scale_from": 2}),
-                                                  (10, {"lr_scale": 10.0, "lr_scale_from": 2})]),
+                                                  (10, {"lr_scale": 10.0, "lr_scale_from": 2})],
+                        also=("entropy-collapse",)),
     # Advantage bugs.
     "adv_sign": _cases("adv_sign", "advantage", [(1.0, {"advantage_fault": "sign"}),
                                                  (0.25, {"advantage_fault": "sign", "fault_frac": 0.25})]),

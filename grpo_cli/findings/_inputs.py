@@ -95,10 +95,6 @@ def _temperature(c: _Ctx) -> list[Finding]:
     if sev is None:
         return []
     notes: list[str] = []
-    onesided = _estimate(f, "diag/pair_onesided")
-    if onesided is not None and onesided.low >= ONESIDED_WARNING:
-        # Renormalisation lifts every token; it tilts the fit too, but a tilt alone never lifts both bins.
-        sev = _cap(sev, notes, "explained by GRP103: a truncated sampling set lifts every behaviour log-prob")
     if sev == "inconclusive":
         notes.append(_settle(dev, math.log1p(TEMPERATURE_WARNING), _num(f, "diag/pair_n_tokens"), "tokens"))
     partner = f.get("diag/pair_partner") or "new_logp"

@@ -106,6 +106,21 @@ def _retokenised_not_shifted(findings: list[Finding]) -> None:
         shift.severity = _cap(shift.severity, shift.notes, "explained by GRP108: re-tokenised sequences look shifted")
 
 
+def _tilt_or_lift(findings: list[Finding]) -> None:
+    """When both a temperature (GRP102) and a truncation (GRP103) are conclusive, one explains the other: a colder
+    engine lifts every likely token too (and a peaked policy samples few others) but steepens the line (slope above
+    1); renormalisation lifts every token by −log(kept mass), most where the context is flat, which flattens it."""
+    tilt, lift = _loud(findings, "GRP102"), _loud(findings, "GRP103")
+    if tilt is None or lift is None:
+        return
+    if tilt.evidence["diag/pair_slope_old_on_new"]["value"] > 1:
+        lift.severity = _cap(lift.severity, lift.notes,
+                             "explained by GRP102: a colder engine lifts likely tokens and steepens the line")
+    else:
+        tilt.severity = _cap(tilt.severity, tilt.notes,
+                             "explained by GRP103: a truncated sampling set lifts every behaviour log-prob")
+
+
 def detect(
     figures: Mapping[str, Any],
     per_step: Sequence[Mapping[str, Any]] | None = None,
@@ -124,6 +139,7 @@ def detect(
     for detector in DETECTORS:
         findings.extend(ctx.finish(f) for f in detector.run(ctx))
     _retokenised_not_shifted(findings)
+    _tilt_or_lift(findings)
     if any(f.code == "GRP101" and f.severity != "info" for f in findings):
         for f in findings:
             if f.code == "GRP104" and set(f.evidence) == {"diag/old_zero_new_nonzero_frac"} and f.severity != "info":

@@ -73,14 +73,18 @@ class ShiftGroup(_DiagGroup):
     name = "diag/shift"
 
     def columns(self) -> frozenset[str]:
-        return frozenset({"new_logp", "old_logp", "step"})
+        return frozenset({"new_logp", "old_logp", "versions", "current_version", "step"})
 
     def init_state(self, config: Any, device: torch.device | str) -> MetricState:
         return shift_state(device)
 
     def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: Any) -> None:
         if batch.old_logp is not None:
-            shift_update(state, new_logp=batch.new_logp, old_logp=batch.old_logp, loss_mask=batch.loss_mask,
+            # Lag-0 tokens only where versions tell: a stale token of a fast-moving policy can agree better with a
+            # neighbour by chance; at lag 0 only a real shift does.
+            lag = _lag(batch)
+            mask = batch.loss_mask if lag is None else batch.loss_mask.to(torch.bool) & (lag == 0)
+            shift_update(state, new_logp=batch.new_logp, old_logp=batch.old_logp, loss_mask=mask,
                          cu_seqlens=batch.cu_seqlens, file_index=batch.file_index, rows=batch.rows, step=batch.step)
 
     def compute(self, state: MetricState, config: Any) -> dict[str, Any]:

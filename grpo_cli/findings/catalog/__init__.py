@@ -19,6 +19,7 @@ __all__ = [
     "COMMON_RULES",
     "COMMON_THRESHOLDS",
     "INTRODUCTION",
+    "POWER_TABLE",
     "REGENERATE",
     "RULES",
     "WIDTH",
@@ -41,6 +42,8 @@ CATEGORIES = (
 they were introduced, not code order: a public contract)."""
 
 REGENERATE = "python -m grpo_cli.findings.catalog > docs/findings.md"
+POWER_TABLE = "bench/power_table.md"
+"""Where ``bench/power.py`` writes the power table, relative to the repository root (the page's last section)."""
 """The command that writes ``docs/findings.md`` from the declarations."""
 
 INTRODUCTION = (
@@ -101,9 +104,10 @@ COMMON_RULES = (
 """The rules every detector follows (markdown, unwrapped; a template over :data:`COMMON_THRESHOLDS`)."""
 
 
-def render_docs() -> str:
-    """``docs/findings.md``: the introduction, the common rules and one section per code (:meth:`Rule.markdown`),
-    threshold values read from :mod:`grpo_cli.findings.thresholds`."""
+def render_docs(power_table: str | None = None) -> str:
+    """The whole ``docs/findings.md`` page: the introduction, the common rules and one section per rule, with the
+    threshold values read from :mod:`grpo_cli.findings.thresholds`, and last the power table (``bench/power.py``'s
+    ``bench/power_table.md``) when given."""
     head = [
         f"<!-- Generated from grpo_cli/findings/catalog/ by `{REGENERATE}`: edit the declarations, not this page. -->",
         "# Findings",
@@ -111,4 +115,7 @@ def render_docs() -> str:
         "## Common rules",
         wrap(fill(COMMON_RULES, COMMON_THRESHOLDS)),
     ]
-    return "\n\n".join(head) + "\n\n" + "\n".join(rule.markdown() for rule in RULES.values())
+    page = "\n\n".join(head) + "\n\n" + "\n".join(rule.markdown() for rule in RULES.values())
+    if power_table:
+        page += "\n## Power table\n\n" + power_table
+    return page

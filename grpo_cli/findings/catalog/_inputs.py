@@ -31,13 +31,16 @@ RULES = (
         ),
         detection=(
             "For each sequence, the mean |new_t − old_(t+s)| over pairs of loss-mask tokens of that sequence, for s "
-            "∈ {{−1, 0, +1}} (`diag/shift_abs_diff_{{m1,0,p1}}` overall). A sequence prefers a shift when its "
+            "∈ {{−1, 0, +1}} (`diag/shift_abs_diff_{{m1,0,p1}}` overall); with `versions`, over lag-0 tokens only "
+            "(a stale token of a fast-moving policy can agree better with a neighbour by chance, a lag-0 token only "
+            "when the column is shifted). A sequence prefers a shift when its "
             "shift-s mean is below half its shift-0 mean and the shift-0 mean is above 0.02 nats (sequences whose "
             "columns already agree prefer nothing), with at least 3 pairs per shift. Figures: "
             "`diag/shift_seq_late_frac`, `diag/shift_seq_early_frac` (threshold {SHIFT_SEQ_WARNING} warning, "
-            "{SHIFT_SEQ_ERROR} error); `where` lists `diag/shift_top` (the sequences with the largest gain). "
-            "Measured: healthy presets 0.00; the fault at 100 % gives 1.00, at 30 % 0.30 (the shift-0 mean rises "
-            "from 0.025 to 1.74 nats while the shifted mean is 0.024)."
+            "{SHIFT_SEQ_ERROR} error), graded by their Wilson interval; `where` lists `diag/shift_top` (the "
+            "sequences with the largest gain). Short re-tokenised sequences can look shifted too: when no more "
+            "sequences prefer a shift than twice those GRP108 flags, GRP108 is the cause. Measured on the simulator: "
+            "healthy 0.00; the fault at 100 % gives 1.00, at 30 % 0.30; on the corpus the same."
         ),
         fix=(
             "Write every per-token column with the same alignment: value t belongs to token t. Next-token-aligned "
@@ -93,9 +96,11 @@ RULES = (
             "r = 1/b (`diag/temperature_ratio`). The offset c of a context grows with its flatness and would bias "
             "every slope towards 1 (about 5 % at r = 0.7 on a peaked policy); when the dump has the trainer's "
             "`entropy`, x and y are first residualised on it (Frisch–Waugh), which removes that bias. Intervals: "
-            "delete-a-block jackknife over 20 hash blocks of GRPO groups, at least ±1 % of r (bf16 resolution). A "
-            "truncated sampling set that lifts every token (GRP103) explains a tilt, so a conclusive GRP103 caps "
-            "this one. Measured on the corpus: healthy runs r = 1.00 ± 0.01 (T = 1 and T = 0.7 on both sides, lags "
+            "delete-a-block jackknife over 20 hash blocks of GRPO groups, at least ±3 % of r (the entropy stands in "
+            "for the offset only approximately). Renormalisation over a truncated set lifts every token and can "
+            "flatten the line (slope below 1) but never steepen it: a flatter tilt together with a conclusive "
+            "one-sided lift (GRP103) is explained by the truncation, a steeper one is a colder engine. "
+            "Measured on the corpus: healthy runs r = 1.00 ± 0.01 (T = 1 and T = 0.7 on both sides, lags "
             "0–6, bf16 against fp32); engines at 0.7, 0.85 and 1.3 read 0.70, 0.85 and 1.30."
         ),
         fix=(
@@ -139,7 +144,9 @@ RULES = (
             "noise gives ≈ 0.5 in both; a temperature lifts one bin and sinks the other (≤ 0.1 in one); "
             "renormalisation lifts both (≈ 1). The mean excess per bin is `diag/pair_d_likely` and "
             "`diag/pair_d_unlikely`. Measured on the corpus (a peaked policy after SFT, most sampled tokens p > 0.9): "
-            "healthy 0.45–0.6; top-k 2 and top-p 0.9 give 1.00."
+            "healthy 0.45–0.6; top-k 2 and top-p 0.9 give 1.00. A colder engine lifts every likely token as well "
+            "(and a peaked policy samples few others), but it steepens the line (GRP102's slopes above 1), which "
+            "renormalisation cannot: then GRP102 is the cause and this finding is capped."
         ),
         fix=(
             "Score the same truncated distribution in the trainer (slime replays the top-p set with "
