@@ -18,6 +18,7 @@ import pytest
 from grpo_cli.cli import main
 from grpo_cli.commands.corpus import RunSpec, generate_run
 from grpo_cli.commands.corpus_catalog import CONTROLS, FAULTS, Case
+from grpo_cli.findings.catalog import RULES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from _corpus_eval import Outcome, analyze_json, options_of
@@ -87,7 +88,7 @@ def test_ci_sized_dump_with_a_temperature_bug_fails_check_with_the_fix_on_the_fi
     screen = capsys.readouterr().out.splitlines()[:40]
     text = "\n".join(screen)
     assert "GRP102" in text and "error" in text
-    assert any(line.strip().startswith("fix: Score with the sampling temperature") for line in screen)
+    assert f"fix: {RULES['GRP102'].fix[:40]}" in text
 
 
 def test_its_healthy_twin_passes_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

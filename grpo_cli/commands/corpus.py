@@ -76,6 +76,7 @@ class RunSpec:
         behaviour_temperature: the engine samples and reports log-probs at this temperature.
         top_k, top_p: the engine samples from this set and reports log-probs renormalised over it (0 / 1: off).
         extra_tokens: generation stops after k + extra_tokens tokens (the answer needs k + 1).
+        short_limit: hit workers stop generating after k tokens (a length limit below the answer's).
         fault_frac: fraction of the rollout workers a per-group fault hits (multiples of 1/4).
         shift: the dump writes ``old_logp`` this many tokens late (+1) or early (−1) in hit sequences.
         mask_fault: ``"prompt"`` (prompt tokens in the loss), ``"missing"`` (the last response token out of it).
@@ -84,8 +85,9 @@ class RunSpec:
             still advances).
         retokenize: hit sequences reach the trainer re-tokenised: one response token (in that fraction of the
             hit sequences) has another id than the sampled one.
-        prox: ``"recompute"``, ``"old"`` (no proximal recompute) or ``"loglinear"`` (AReaL's approximation).
-        ref_equals: ``"new"``: the dump's ``ref_logp`` is the actor's ``new_logp`` tensor.
+        prox: ``"recompute"``, ``"old"`` (hit workers' batches get no proximal recompute) or ``"loglinear"``
+            (AReaL's approximation).
+        ref_equals: ``"new"``: the dump's ``ref_logp`` of hit rows is the actor's ``new_logp`` tensor.
         duplicate: hit groups are written twice (same ``seq_id``).
         advantage_fault: ``"sign"`` (−A in hit groups), ``"grouping"`` (statistics over groups shifted by half a
             group), ``"unnormalised"`` (hit groups not divided by their std).
@@ -108,6 +110,7 @@ class RunSpec:
     top_k: int = 0
     top_p: float = 1.0
     extra_tokens: int = 3
+    short_limit: bool = False
     fault_frac: float = 1.0
     shift: int = 0
     mask_fault: str | None = None
@@ -330,7 +333,8 @@ def _run(spec: RunSpec, directory: Path) -> RunInfo:  # one loop, read top to bo
                     engines[(loaded, fp8)] = _engine(w, fp8)
                 prompts = torch.tensor([plan[i][0] for i in members]).repeat_interleave(spec.group_size, 0)
                 k = plen - 2
-                out = _generate(engines[(loaded, fp8)], prompts, k + spec.extra_tokens, spec, t_engine, gen)
+                extra = 0 if spec.short_limit and plan[members[0]][4] else spec.extra_tokens
+                out = _generate(engines[(loaded, fp8)], prompts, k + extra, spec, t_engine, gen)
                 for j, i in enumerate(members):
                     sl = slice(j * spec.group_size, (j + 1) * spec.group_size)
                     results[i] = tuple(x[sl] for x in out)  # type: ignore[assignment]
@@ -376,8 +380,8 @@ def _run(spec: RunSpec, directory: Path) -> RunInfo:  # one loop, read top to bo
                 new, entropy = _teacher_forced(policy, tokens, spec.temperature)
                 prox_rc, _ = _teacher_forced(snapshots[max(v - 1, 0)], tokens, spec.temperature)
                 ref, _ = _teacher_forced(reference, tokens, spec.temperature)
-            if spec.prox == "old":
-                prox = old.clone()
+            if spec.prox == "old":  # the hit workers' batches skip the recompute
+                prox = torch.where(torch.tensor([r["hit"] for r in rows])[:, None], old, prox_rc)
             elif spec.prox == "loglinear":
                 alpha = torch.where(row_lag >= 1, (row_lag - 1) / row_lag.clamp_min(1), 0.0)[:, None]
                 prox = old + alpha * (new - old)
@@ -411,7 +415,8 @@ def _run(spec: RunSpec, directory: Path) -> RunInfo:  # one loop, read top to bo
                     mask[i, 1:p] = True
                 elif spec.mask_fault == "missing" and n > p:
                     mask[i, n - 1] = False
-            ref_out = new if spec.ref_equals == "new" else ref
+            hit_row = torch.tensor([r["hit"] for r in rows])[:, None]
+            ref_out = torch.where(hit_row, new, ref) if spec.ref_equals == "new" else ref
             step_rows = list(range(b))
             if spec.duplicate:
                 step_rows += [i for i, r in enumerate(rows) if r["hit"]]
@@ -425,7 +430,7 @@ def _run(spec: RunSpec, directory: Path) -> RunInfo:  # one loop, read top to bo
                 eos=torch.tensor([int(r["eos"]) for r in rows])[idx],
             )
             faulty = (spec.shift or spec.mask_fault or spec.engine_bits != 16 or spec.weight_sync_from is not None
-                      or spec.advantage_fault or spec.zero_reward or spec.duplicate)
+                      or spec.advantage_fault or spec.zero_reward or spec.duplicate or spec.short_limit)
             for row, i in enumerate(step_rows):
                 touched = (rows[i].get("retok") or (faulty and rows[i]["hit"])
                            or (spec.duplicate and row >= b))

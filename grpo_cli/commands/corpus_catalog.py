@@ -61,7 +61,8 @@ FAULTS: dict[str, list[Case]] = {
                                 [(1.0, {"mask_fault": "missing"}),
                                  (0.25, {"mask_fault": "missing", "fault_frac": 0.25})], localised=True),
     # The dumped reference is the actor's or the engine's tensor.
-    "ref_is_policy": _cases("ref_is_policy", "reference", [(1.0, {"ref_equals": "new"})]),
+    "ref_is_policy": _cases("ref_is_policy", "reference", [(1.0, {"ref_equals": "new"}),
+                                                           (0.5, {"ref_equals": "new", "fault_frac": 0.5})]),
     # A rank writes its shard twice.
     "duplicates": _cases("duplicates", "duplicates", [(1.0, {"duplicate": True}),
                                                       (0.25, {"duplicate": True, "fault_frac": 0.25})],
@@ -79,7 +80,8 @@ FAULTS: dict[str, list[Case]] = {
                                                           (0.1, {"retokenize": 0.4, "fault_frac": 0.25})],
                          localised=True),
     # A decoupled loss fed old_logp as prox_logp.
-    "no_prox_recompute": _cases("no_prox_recompute", "prox-approximation", [(1.0, {"prox": "old"})]),
+    "no_prox_recompute": _cases("no_prox_recompute", "prox-approximation",
+                                [(1.0, {"prox": "old"}), (0.25, {"prox": "old", "fault_frac": 0.25})]),
     # Lags past the bound the run's correction is set for.
     "stale": _cases("stale", "staleness", [(8, {"lags": (0, 8)}), (6, {"lags": (0, 6)})]),
     # A learning-rate blow-up from step 2 on: the clip fraction jumps, or, once the policy has collapsed onto its
@@ -90,14 +92,17 @@ FAULTS: dict[str, list[Case]] = {
     # Advantage bugs.
     "adv_sign": _cases("adv_sign", "advantage", [(1.0, {"advantage_fault": "sign"}),
                                                  (0.25, {"advantage_fault": "sign", "fault_frac": 0.25})]),
-    "adv_grouping": _cases("adv_grouping", "advantage", [(1.0, {"advantage_fault": "grouping"})]),
+    "adv_grouping": _cases("adv_grouping", "advantage", [(1.0, {"advantage_fault": "grouping"}),
+                                                         (0.5, {"advantage_fault": "grouping", "fault_frac": 0.5})]),
     "adv_unnormalised": _cases("adv_unnormalised", "advantage",
-                               [(0.5, {"advantage_fault": "unnormalised", "fault_frac": 0.5})]),
+                               [(0.5, {"advantage_fault": "unnormalised", "fault_frac": 0.5}),
+                                (0.25, {"advantage_fault": "unnormalised", "fault_frac": 0.25})]),
     # A reward server that returns 0.
     "zero_reward": _cases("zero_reward", "no-signal", [(1.0, {"zero_reward": True}),
                                                        (0.75, {"zero_reward": True, "fault_frac": 0.75})]),
     # A generation limit below the answer's length.
-    "length_limit": _cases("length_limit", "length-truncation", [(1.0, {"extra_tokens": 0})]),
+    "length_limit": _cases("length_limit", "length-truncation", [(1.0, {"short_limit": True}),
+                                                                 (0.5, {"short_limit": True, "fault_frac": 0.5})]),
 }
 """Fault name → its cases, realistic magnitude first."""
 
