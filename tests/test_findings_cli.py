@@ -97,7 +97,7 @@ def test_where_points_at_the_broken_sequences(capsys, tmp_path_factory, fault):
 
 
 def test_shifted_dump_first_screen_check_and_select(capsys, tmp_path_factory):
-    findings, _, inputs = _fault(capsys, tmp_path_factory, "shift_late", 0.3)
+    findings, _, inputs = _fault(capsys, tmp_path_factory, "shift_late", 1.0)
     path = Path(inputs[0]).parent
     assert findings[0]["code"] == "GRP101" and findings[0]["severity"] == "error"
     assert "one token late" in findings[0]["title"]

@@ -57,7 +57,7 @@ def _alignment(c: _Ctx) -> list[Finding]:
         return []
     sev, notes, est = _graded_fraction(frac, n_seq, SHIFT_SEQ_WARNING, SHIFT_SEQ_ERROR, "sequences")
     word = "late" if side > 0 else "early"
-    title = f"old_logp looks one token {word} against new_logp in {frac:.1%} of sequences"
+    title = RULES["GRP101"].title.format(side=word, frac=frac)
     ev = {
         f"diag/shift_seq_{word}_frac": est.ev(SHIFT_SEQ_WARNING),
         "diag/shift_abs_diff_0": _ev(_num(f, "diag/shift_abs_diff_0"), None),
@@ -175,7 +175,7 @@ def _mask(c: _Ctx) -> list[Finding]:
             what.append(f"{trailing:.1%} of sequences ending in a run of exact-zero log-probs (padding)")
         sev = _max_sev(sev, g or "info")
     if sev is not None:
-        title = "loss_mask covers prompt or padding tokens: " + ("; ".join(what) or "a few tokens")
+        title = RULES["GRP104"].title.format(what="; ".join(what) or "a few tokens")
         fix = RULES["GRP104"].fix
         out.append(Finding("GRP104", "mask", sev, title, ev, {"sequences": _sequences(f.get("diag/mask_top"))},
                            fix))
@@ -193,7 +193,7 @@ def _mask(c: _Ctx) -> list[Finding]:
         notes.append("without versions, masked tokens inside a response may be tool output (multi-turn)")
     if sev2 is not None:
         frac = missing if missing is not None else holes
-        title = f"loss_mask misses response tokens: {frac:.1%} of generated tokens are outside the loss"
+        title = RULES["GRP105"].title.format(frac=frac)
         fix = RULES["GRP105"].fix
         out.append(Finding("GRP105", "mask", sev2, title, ev2, {"sequences": _sequences(f.get("diag/mask_top"))},
                            fix, notes))
@@ -243,7 +243,7 @@ def _reference(c: _Ctx) -> list[Finding]:
         title = RULES["GRP106"].title.format(other=worst[0], frac=worst[1],
                                             steps="the later steps" if later else "all steps")
     else:
-        title = f"ref_logp is exactly 0 on {zero:.0%} of tokens: no reference model was run"
+        title = RULES["GRP106"].variants["zero"].format(frac=zero)
     return [Finding("GRP106", "reference", sev, title, ev, {"steps": later[1] if later else []},
                     RULES["GRP106"].fix, notes)]
 
@@ -256,14 +256,14 @@ def _duplicates(c: _Ctx) -> list[Finding]:
     fix = RULES["GRP107"].fix
     if id_extra:
         sev = "error" if (id_frac or 0) >= DUP_ID_ERROR else "warning"
-        title = f"{int(id_extra)} sequences repeat a (step, seq_id) already seen ({id_frac:.1%} of sequences)"
+        title = RULES["GRP107"].title.format(n=int(id_extra), frac=id_frac)
         return [Finding("GRP107", "duplicates", sev, title,
                         {"diag/dup_id_extra": _ev(int(id_extra), 1), "diag/dup_id_frac": _ev(id_frac, DUP_ID_ERROR)},
                         where, fix)]
     if content is not None and content >= DUP_CONTENT_WARNING:
         sev = "warning" if id_frac is None else "info"
         notes = [] if id_frac is None else ["every copy has its own seq_id: identical samples of one prompt"]
-        title = f"{content:.1%} of sequences repeat another sequence's log-probs exactly"
+        title = RULES["GRP107"].variants["content"].format(frac=content)
         return [Finding("GRP107", "duplicates", sev, title,
                         {"diag/dup_content_frac": _ev(content, DUP_CONTENT_WARNING)}, where, fix, notes)]
     return []

@@ -126,10 +126,7 @@ def _weight_sync(c: _Ctx) -> list[Finding]:
     if key == "abs_diff_mean":
         sev = _cap(sev, notes, "lag unknown")
     first, last = series[0][1], series[-1][1]
-    title = (
-        f"train/inference disagreement at recorded lag 0 grows step by step ({key} {first:.3f} → {last:.3f} "
-        f"nats, fitted ×{ratio:.1f}) while the recorded lag does not: the engine seems to sample with stale weights"
-    )
+    title = RULES["GRP201"].title.format(series=key, first=first, last=last, ratio=ratio)
     ev = {
         f"diag/by_step[{key}] fitted last/first": _ev(ratio, SYNC_RATIO_WARNING),
         f"diag/by_step[{key}] fitted rise": _ev(rise, SYNC_MIN_RISE),
@@ -222,10 +219,10 @@ def _staleness(c: _Ctx) -> list[Finding]:
     sev = _grade(frac, STALE_WARNING, STALE_ERROR)
     if sev is None:
         return [] if beyond == 0 else [c.finish(Finding(
-            "GRP204", "staleness", "info", f"{frac:.1%} of generated tokens have a lag above {limit}",
+            "GRP204", "staleness", "info", RULES["GRP204"].variants["below"].format(frac=frac, limit=limit),
             {"lag beyond max_staleness frac": _ev(frac, STALE_WARNING)}, {}, RULES["GRP204"].fix))]
     lag_max = max(k for k, _ in hist)
-    title = f"{frac:.0%} of generated tokens are more than {limit} versions stale (max lag {lag_max})"
+    title = RULES["GRP204"].title.format(frac=frac, limit=limit, lag_max=lag_max)
     rows = [r for r in (f.get("by_staleness") or []) if r.get("lag", -1) > limit][:5]
     fix = RULES["GRP204"].fix
     return [Finding("GRP204", "staleness", sev, title,
@@ -250,10 +247,7 @@ def _prox(c: _Ctx) -> list[Finding]:
         notes.append("the run was not declared to use an approximation (DetectConfig.prox_approximation)")
     else:
         return []
-    title = (
-        f"{beyond:.0%} of stale tokens lie beyond the log-linear proximal approximation's safe lag {int(safe)} "
-        f"(max lag {int(lag_max or 0)})"
-    )
+    title = RULES["GRP205"].title.format(frac=beyond, safe_lag=int(safe), lag_max=int(lag_max or 0))
     rows = [r for r in f.get("diag/by_lag") or [] if r.get("lag", 0) > safe][:5]
     fix = RULES["GRP205"].fix
     return [Finding("GRP205", "prox-approximation", sev, title,
@@ -273,8 +267,7 @@ def _clipping(c: _Ctx) -> list[Finding]:
     sev = _grade(value, CLIP_WARNING, CLIP_ERROR)
     if sev is None:
         return []
-    title = f"clip fraction {value:.0%} (overall {overall if overall is None else f'{overall:.0%}'}): updates " \
-            "move the policy too far per step"
+    title = RULES["GRP206"].title.format(value=value, overall=value if overall is None else overall)
     ev = {"clip/ratio": _ev(overall, CLIP_WARNING)}
     if worst:
         ev["max over steps of clip fraction"] = _ev(worst[1], CLIP_WARNING, step=worst[0])

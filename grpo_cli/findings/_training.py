@@ -3,6 +3,8 @@ entropy collapse, length truncation."""
 
 from __future__ import annotations
 
+import math
+
 from grpo_cli.findings._base import (
     Detector,
     Finding,
@@ -43,7 +45,7 @@ def _advantage(c: _Ctx) -> list[Finding]:
         sev, notes, est = _graded_fraction(flip, groups, SIGN_WARNING, 2 * SIGN_WARNING, "groups")
         out.append(Finding(
             "GRP301", "advantage", sev,
-            f"advantages fall as rewards rise in {flip:.0%} of groups: the advantage sign is flipped",
+            RULES["GRP301"].title.format(frac=flip),
             {"diag/adv_sign_flip_frac": est.ev(SIGN_WARNING)},
             {"groups": [w for w in where_all if w["problem"] == "sign"]},
             RULES["GRP301"].fix, notes))
@@ -53,7 +55,7 @@ def _advantage(c: _Ctx) -> list[Finding]:
         sev, notes, est = _graded_fraction(unc, judged, UNCENTRED_WARNING, None, "groups")
         out.append(Finding(
             "GRP302", "advantage", sev,
-            f"advantages are not centred within {unc:.0%} of groups: group boundaries do not match group_id",
+            RULES["GRP302"].title.format(frac=unc),
             {"diag/adv_uncentred_frac": est.ev(UNCENTRED_WARNING)},
             {"groups": [w for w in where_all if w["problem"] == "uncentred"]},
             RULES["GRP302"].fix, notes))
@@ -62,8 +64,7 @@ def _advantage(c: _Ctx) -> list[Finding]:
         sev, notes, est = _graded_fraction(out_frac, groups, SCALE_WARNING, None, "groups")
         out.append(Finding(
             "GRP303", "advantage", sev,
-            f"advantage scale is inconsistent across groups: {out_frac:.0%} of groups are normalised differently "
-            f"(scale exponent {_num(f, 'diag/adv_scale_exponent') or float('nan'):.2f}; −1 = group std, 0 = none)",
+            RULES["GRP303"].title.format(frac=out_frac, exponent=_num(f, "diag/adv_scale_exponent") or math.nan),
             {"diag/adv_scale_outlier_frac": est.ev(SCALE_WARNING),
              "diag/adv_scale_exponent": _ev(_num(f, "diag/adv_scale_exponent"), "−1 or 0")},
             {}, RULES["GRP303"].fix, notes))
@@ -77,7 +78,7 @@ def _no_signal(c: _Ctx) -> list[Finding]:
         return []
     sev = _grade(z, ZERO_STD_WARNING, ZERO_STD_ERROR) or "info"
     fix = RULES["GRP304"].fix
-    return [Finding("GRP304", "no-signal", sev, f"{z:.0%} of groups have zero reward variance: no learning signal",
+    return [Finding("GRP304", "no-signal", sev, RULES["GRP304"].title.format(frac=z),
                     {"groups/zero_std_frac": _ev(z, ZERO_STD_WARNING)}, {}, fix)]
 
 
@@ -102,7 +103,7 @@ def _entropy(c: _Ctx) -> list[Finding]:
         # entropy goes while the reward does not follow (Cui et al. 2025, "The Entropy Mechanism of RL for LLMs").
         sev = _cap(sev, notes, f"the mean reward rose from {rewards[0]:.3g} to {rewards[1]:.3g} over the same steps: "
                                "the policy may be converging")
-    title = f"entropy falls from {h[0]:.3f} to {last:.3f} nats over the steps (×{ratio:.2f}): entropy collapse"
+    title = RULES["GRP401"].title.format(first=h[0], last=last, ratio=ratio)
     fix = RULES["GRP401"].fix
     evidence = {f"diag/by_step[{key}] last/first quarter": _ev(ratio, ENTROPY_RATIO_WARNING)}
     if rewards is not None:
@@ -124,7 +125,7 @@ def _truncation(c: _Ctx) -> list[Finding]:
         return []
     n_seq = _num(f, "n_sequences") or sum(x[2] for x in series)
     sev, notes, est = _graded_fraction(overall, n_seq, NO_EOS_WARNING, NO_EOS_ERROR, "sequences")
-    title = f"{overall:.0%} of responses end without EOS (cut at the length limit)"
+    title = RULES["GRP402"].title.format(frac=overall)
     fix = RULES["GRP402"].fix
     steps = sorted(series, key=lambda x: -x[1])[:5]
     return [Finding("GRP402", "length-truncation", sev, title, {"seq/no_eos_frac": est.ev(NO_EOS_WARNING)},

@@ -239,6 +239,7 @@ RULES = (
             "ref_logp equals {other}_logp bitwise on {frac:.0%} of the tokens of {steps}: it is not a reference "
             "policy"
         ),
+        variants={"zero": "ref_logp is exactly 0 on {frac:.0%} of tokens: no reference model was run"},
         evidence=(
             "diag/by_step[ref_equal_{other}] later half", "diag/equal_frac/{other}_ref", "diag/zero_frac/ref_logp",
         ),
@@ -279,6 +280,7 @@ RULES = (
         title=(
             "{n} sequences repeat a (step, seq_id) already seen ({frac:.1%} of sequences)"
         ),
+        variants={"content": "{frac:.1%} of sequences repeat another sequence's log-probs exactly"},
         evidence=("diag/dup_id_extra", "diag/dup_id_frac", "diag/dup_content_frac"),
         thresholds=("DUP_ID_ERROR", "DUP_CONTENT_WARNING"),
         severity=(

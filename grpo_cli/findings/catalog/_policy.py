@@ -177,6 +177,7 @@ RULES = (
         title=(
             "{frac:.0%} of generated tokens are more than {limit} versions stale (max lag {lag_max})"
         ),
+        variants={"below": "{frac:.1%} of generated tokens have a lag above {limit}"},
         evidence=("lag beyond max_staleness frac", "staleness/theta_max"),
         thresholds=("STALE_WARNING", "STALE_ERROR"),
         severity=(

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import re
 import string
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpo_cli.findings.thresholds as thresholds
@@ -111,6 +112,7 @@ class Rule:
         why: why it matters.
         detection: how it is detected, with the values measured on simulated dumps (template).
         fix: how to fix it, naming the trainers' options; the detector reports it as ``Finding.fix``.
+        variants: other title templates for other forms of the same finding (``{"zero": …}``).
     """
 
     code: str
@@ -124,6 +126,7 @@ class Rule:
     why: str
     detection: str
     fix: str
+    variants: Mapping[str, str] = field(default_factory=dict)
 
     def threshold_values(self) -> dict[str, Any]:
         """Each of :attr:`thresholds` with its value in :mod:`grpo_cli.findings.thresholds`."""
