@@ -31,6 +31,7 @@ LAYERS = {
     "grpo_cli._choices": 0,
     "grpo_cli._launch": 0,
     "grpo_cli._keys": 0,
+    "grpo_cli._intervals": 0,
     "grpo_cli.core": 1,
     "grpo_cli.io": 2,
     "grpo_cli.engine": 3,

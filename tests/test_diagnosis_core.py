@@ -12,13 +12,11 @@ import pytest
 import torch
 from simulate import fault_config, simulate
 
+from grpo_cli.commands.analyze import AnalyzeConfig, analyze
 from grpo_cli.core.diagnosis import (
     by_step_compute,
     by_step_state,
     by_step_update,
-    diagnosis_compute,
-    diagnosis_state,
-    diagnosis_update,
     duplicates_compute,
     duplicates_state,
     duplicates_update,
@@ -31,9 +29,9 @@ from grpo_cli.core.diagnosis import (
     lags_compute,
     lags_state,
     lags_update,
-    relation_compute,
-    relation_state,
-    relation_update,
+    pairs_compute,
+    pairs_state,
+    pairs_update,
     sequence_hash,
     shift_compute,
     shift_state,
@@ -119,12 +117,11 @@ def existing_figures(paths: list[Path] | Path, epsilon: float = 0.2, is_threshol
 
 
 def diag_figures(paths: list[Path] | Path, batch_tokens: int = 1 << 14) -> dict[str, Any]:
-    """Every ``diag/*`` figure of a dump, streamed in batches of about ``batch_tokens`` tokens."""
+    """Every ``diag/*`` figure of a dump, streamed by the engine in batches of about ``batch_tokens`` tokens (the
+    findings-only groups alone)."""
     ds = RolloutDataset([paths] if isinstance(paths, Path) else paths)
-    states = diagnosis_state()
-    for batch in ds.iter_batches(batch_tokens=batch_tokens):
-        diagnosis_update(states, batch)
-    return diagnosis_compute(states)
+    result = analyze(ds, AnalyzeConfig(batch_tokens=batch_tokens), groups=[], findings=DetectConfig())
+    return result.evidence
 
 
 def _close(a: Any, b: Any, rel: float = 1e-12, path: str = "") -> None:
@@ -184,30 +181,73 @@ def test_shift_merges_across_batches() -> None:
     _close(shift_compute(b.merge(a)), shift_compute(whole))
 
 
-# -- relation --------------------------------------------------------------------------------------------------------
-def test_relation_against_float64_reference() -> None:
+# -- pairs -----------------------------------------------------------------------------------------------------------
+def _residual(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    design = torch.stack([torch.ones_like(h), h], 1)
+    return v - design @ torch.linalg.lstsq(design, v[:, None]).solution.flatten()
+
+
+def _reference_ratio(x: torch.Tensor, y: torch.Tensor, h: torch.Tensor) -> tuple[float, float, float]:
+    """(b_yx, b_xy⁻¹, sd(x)/sd(y)) of the residuals on h: an independent float64 least-squares reference."""
+    rx, ry = _residual(x, h), _residual(y, h)
+    c = float((rx * ry).mean())
+    vx, vy = float((rx * rx).mean()), float((ry * ry).mean())
+    return c / vx, vy / c, math.sqrt(vx / vy)
+
+
+def test_pairs_against_float64_reference_with_jackknife() -> None:
     g = torch.Generator().manual_seed(0)
-    x = -torch.rand(200, generator=g, dtype=torch.float64) * 5
-    y = 0.3 + 1.2 * x + 0.05 * torch.randn(200, generator=g, dtype=torch.float64)
-    lengths = (50, 70, 80)
-    state = relation_state()
-    for lo, hi, n in ((0, 50, 50), (50, 200, None)):
-        cu = _cu(50) if n else _cu(70, 80)
-        relation_update(state, new_logp=x[lo:hi].float(), old_logp=y[lo:hi].float(), cu_seqlens=cu)
-    out = relation_compute(state)
-    xf, yf = x.float().double(), y.float().double()
-    design = torch.stack([torch.ones_like(xf), xf], 1)
-    coef = torch.linalg.lstsq(design, yf[:, None]).solution.flatten()
-    assert out["diag/old_vs_new_slope"] == pytest.approx(float(coef[1]), rel=1e-9)
-    assert out["diag/old_vs_new_intercept"] == pytest.approx(float(coef[0]), rel=1e-9)
-    assert out["diag/old_gt_new_frac"] == float((yf > xf).double().mean())
-    d = yf - xf
-    seq_means = torch.stack([c.mean() for c in d.split(lengths)])
-    assert out["diag/seq_old_minus_new_mean"] == pytest.approx(float(seq_means.mean()), rel=1e-12)
-    ci = 1.96 * float(seq_means.std(unbiased=False)) / math.sqrt(3)
-    assert out["diag/seq_old_minus_new_ci"] == pytest.approx(ci, rel=1e-9)
-    onesided = [float((c > 0).double().mean()) >= 0.95 for c in d.split(lengths)]
-    assert out["diag/onesided_seq_frac"] == sum(onesided) / 3
+    n_seq, per = 12, 10
+    x = -torch.rand(n_seq * per, generator=g, dtype=torch.float64) * 3
+    h = torch.rand(n_seq * per, generator=g, dtype=torch.float64)
+    y = 1.4 * x + 0.2 * h + 0.01 * torch.randn(n_seq * per, generator=g, dtype=torch.float64)
+    block = torch.arange(n_seq) % 4  # four blocks of three sequences
+    cu = _cu(*([per] * n_seq))
+    whole = pairs_state()
+    pairs_update(whole, new_logp=x.float(), old_logp=y.float(), entropy=h.float(), cu_seqlens=cu, block=block)
+    split = pairs_state()
+    for lo, hi in ((0, 5), (5, 12)):
+        pairs_update(split, new_logp=x[lo * per:hi * per].float(), old_logp=y[lo * per:hi * per].float(),
+                     entropy=h[lo * per:hi * per].float(), cu_seqlens=_cu(*([per] * (hi - lo))), block=block[lo:hi])
+    out = pairs_compute(whole)
+    _close(out, pairs_compute(split), rel=1e-9)
+    xf, yf, hf = x.float().double(), y.float().double(), h.float().double()
+    b_yx, b_inv, ratio = _reference_ratio(xf, yf, hf)
+    assert out["diag/pair_slope_old_on_new"]["value"] == pytest.approx(b_yx, rel=1e-9)
+    assert out["diag/pair_slope_new_on_old_inverse"]["value"] == pytest.approx(b_inv, rel=1e-9)
+    assert out["diag/temperature_ratio"]["value"] == pytest.approx(ratio, rel=1e-9)
+    assert ratio == pytest.approx(1 / 1.4, rel=0.01)
+    # delete-a-block jackknife by hand: the slope without each block's tokens, t(3) = 3.182
+    token_block = block.repeat_interleave(per)
+    loo = [_reference_ratio(xf[token_block != k], yf[token_block != k], hf[token_block != k])[0] for k in range(4)]
+    mean = sum(loo) / 4
+    half = 3.182 * math.sqrt(3 / 4 * sum((v - mean) ** 2 for v in loo))
+    assert out["diag/pair_slope_old_on_new"]["low"] == pytest.approx(b_yx - half, rel=1e-9)
+    assert out["diag/pair_slope_old_on_new"]["high"] == pytest.approx(b_yx + half, rel=1e-9)
+    # no lag: every token is a same-weights pair; d > 0 on neither bin's majority, no re-tokenised token
+    assert out["diag/pair_scope"] == "all tokens" and out["diag/retok_n_seq"] == 0
+
+
+def test_pairs_retokenisation_stale_prox_and_partner() -> None:
+    """Hand values: a likely behaviour token scored 6 nats lower is re-tokenised; a stale sequence whose prox equals
+    old everywhere was not recomputed; the partner is the column closer to old."""
+    new = torch.tensor([-0.1, -6.1, -0.2, -0.3, -1.0, -1.0])
+    old = torch.tensor([-0.1, -0.1, -0.2, -0.3, -1.5, -1.2])
+    prox = torch.tensor([-0.5, -6.0, -0.6, -0.3, -1.5, -1.2])
+    lag = torch.tensor([0, 0, 0, 0, 1, 1])
+    state = pairs_state()
+    pairs_update(state, new_logp=new, old_logp=old, prox_logp=prox, lag=lag, cu_seqlens=_cu(2, 2, 2),
+                 block=torch.tensor([0, 1, 2]), rows=torch.tensor([7, 8, 9]))
+    out = pairs_compute(state)
+    assert out["diag/pair_partner"] == "new_logp" and out["diag/pair_scope"] == "lag 0"
+    assert out["diag/pair_n_tokens"] == 4
+    assert out["diag/retok_n_seq"] == 1 and out["diag/retok_n_tokens"] == 1
+    assert out["diag/retok_seq_frac"]["value"] == 0.5  # of the two sequences with lag-0 tokens
+    assert [r["row"] for r in out["diag/retok_top"]] == [7]
+    assert out["diag/prox_equal_old_seq_frac"]["value"] == 1.0 and out["diag/prox_equal_old_n_stale"] == 1
+    # mean exp|d| over the four lag-0 tokens: |d| = 0, 6, 0, 0
+    assert out["diag/pair_mult_prob_error"]["value"] == pytest.approx((3 + math.exp(6.0)) / 4, rel=1e-6)
+    assert out["diag/pair_tail_frac"]["value"] == 0.25
 
 
 # -- zeros and mask coverage -------------------------------------------------------------------------------------------
@@ -352,7 +392,7 @@ def test_lags_hand_values() -> None:
 
 # -- batching ----------------------------------------------------------------------------------------------------------
 def test_figures_do_not_depend_on_batching(tmp_path: Path) -> None:
-    cfg = fault_config("mask_prompt", 0.3, steps=3, prompts_per_step=4, duplicate=True, shift=1)
+    cfg = fault_config("mask_prompt", 0.3, steps=3, prompts_per_step=8, duplicate=True, shift=1, lags=(0, 1))
     simulate(cfg, tmp_path)
     small = diag_figures(tmp_path, batch_tokens=300)
     large = diag_figures(tmp_path, batch_tokens=1 << 20)

@@ -31,9 +31,6 @@ from grpo_cli.core.diagnosis import (
     lags_compute,
     lags_state,
     lags_update,
-    relation_compute,
-    relation_state,
-    relation_update,
     shift_compute,
     shift_state,
     shift_update,
@@ -89,26 +86,6 @@ class ShiftGroup(_DiagGroup):
 
     def compute(self, state: MetricState, config: Any) -> dict[str, Any]:
         return shift_compute(state)
-
-
-class RelationGroup(_DiagGroup):
-    """The line old ≈ a + b·new and one-sidedness of old − new (temperature, truncated sampling)."""
-
-    name = "diag/relation"
-
-    def columns(self) -> frozenset[str]:
-        return frozenset({"new_logp", "old_logp", "step"})
-
-    def init_state(self, config: Any, device: torch.device | str) -> MetricState:
-        return relation_state(device)
-
-    def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: Any) -> None:
-        if valid.old_logp is not None:
-            relation_update(state, new_logp=valid.new_logp, old_logp=valid.old_logp, cu_seqlens=valid.cu_seqlens,
-                            file_index=batch.file_index, rows=batch.rows, step=batch.step)
-
-    def compute(self, state: MetricState, config: Any) -> dict[str, Any]:
-        return relation_compute(state)
 
 
 class ZerosGroup(_DiagGroup):
@@ -265,5 +242,5 @@ class PairsGroup(_DiagGroup):
 
 def diagnosis_groups() -> list[MetricGroup]:
     """The findings-only groups, one per family of :mod:`grpo_cli.core.diagnosis`."""
-    return [ShiftGroup(), RelationGroup(), ZerosGroup(), EqualityGroup(), DuplicatesGroup(), GroupsGroup(),
+    return [ShiftGroup(), ZerosGroup(), EqualityGroup(), DuplicatesGroup(), GroupsGroup(),
             ByStepGroup(), LagsGroup(), PairsGroup()]
