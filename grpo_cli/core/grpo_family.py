@@ -43,7 +43,6 @@ __all__ = [
 
 # twinkle clamps the token log-ratio to ±20 before exp (and before the GSPO mean); TRL does not clamp.
 LOG_RATIO_CLAMP = 20.0
-_SEQ_MEAN = ("grpo", "gspo", "sapo")
 GRPO_CONVENTIONS: tuple[str, ...] = ("trl", "twinkle")
 """``convention`` values of the GRPO-family functions; they only decide the default of
 ``use_bias_correction_kl`` (TRL 1.16 ``GRPOConfig.use_bias_correction_kl`` defaults to True; twinkle and

@@ -37,7 +37,6 @@ from grpo_cli.metrics.config import AnalyzeConfig
 from grpo_cli.metrics.policy import ADV, BASE, OLD
 
 _U = "ppo_actor/update/"  # AReaL's actor statistics
-_RC = "rollout_corr/"  # verl's rollout-correction metrics
 # Labels of the histogram quantiles the core reports (DEFAULT_QUANTILES).
 _QUANTILE_LABELS = {"p001": "0.1 %", "p01": "1 %", "p50": "median", "p99": "99 %", "p999": "99.9 %"}
 
