@@ -19,6 +19,7 @@ from grpo_cli.core._peer_common import (
     masked_min,
     where,
 )
+from grpo_cli.core.kl import k3_of_log_weight
 from grpo_cli.core.ppo import ppo_actor_loss
 from grpo_cli.core.rejection import RejectionSamplingConfig
 
@@ -69,7 +70,7 @@ def areal_kl_div_stats(logprobs: Tensor, old_logp: Tensor, mask: Tensor) -> dict
     for name, v in (
         ("kl_div_direct", -log_ratio),
         ("kl_div_taylor", log_ratio * log_ratio / 2.0),
-        ("kl_div_dual", torch.expm1(log_ratio) - log_ratio),
+        ("kl_div_dual", k3_of_log_weight(log_ratio)),
     ):
         for k, x in areal_token_stats(v, m).items():
             out[f"{name}/{k}"] = x

@@ -24,6 +24,7 @@ from grpo_cli.core._peer_common import (
     row_sums,
     where,
 )
+from grpo_cli.core.kl import k3_of_log_weight
 
 __all__ = [
     "VERL_RS_OPTIONS",
@@ -265,7 +266,7 @@ def verl_rollout_rs(
         raise ValueError("response_mask must contain at least one valid token (1).")
     log_ratio = where(m, old_log_prob.detach().to(cd) - rollout_log_prob.detach().to(cd))
     log_ratio = log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
-    per_token = {"k1": -log_ratio, "k2": 0.5 * log_ratio * log_ratio, "k3": torch.expm1(log_ratio) - log_ratio}
+    per_token = {"k1": -log_ratio, "k2": 0.5 * log_ratio * log_ratio, "k3": k3_of_log_weight(log_ratio)}
     has = m.any(-1)
     keep_all = torch.ones_like(m)
     out: dict[str, float] = {}
@@ -359,7 +360,7 @@ def verl_offpolicy_metrics(
     roll = where(m, rollout_log_prob.detach().to(cd))
     log_ratio = old - roll
     out["kl"] = masked_mean(-log_ratio, m)
-    out["k3_kl"] = masked_mean(torch.expm1(log_ratio) - log_ratio, m)
+    out["k3_kl"] = masked_mean(k3_of_log_weight(log_ratio), m)
     mu_roll = row_means(roll, m)
     out["rollout_ppl"] = float(torch.exp(-mu_roll).mean())
     out["rollout_log_ppl"] = float((-mu_roll).mean())

@@ -87,7 +87,8 @@ class KLFamiliesGroup(MetricGroup):
         return frozenset({"new_logp", "old_logp", "ref_logp"})
 
     def init_state(self, config: AnalyzeConfig, device: torch.device | str) -> MetricState:
-        return kl_families_state(device)
+        # kl/k3 is PolicyGroup's (the same unclamped k3 of new − old): not folded twice.
+        return kl_families_state(device, old_kinds=("k1", "k2"))
 
     def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: AnalyzeConfig) -> None:
         kl_families_update(
@@ -99,9 +100,7 @@ class KLFamiliesGroup(MetricGroup):
         )
 
     def compute(self, state: MetricState, config: AnalyzeConfig) -> dict[str, Any]:
-        out = kl_families_compute(state)
-        out.pop("kl/k3", None)  # PolicyGroup's (the same value: both are the unclamped k3 of new − old)
-        return out
+        return kl_families_compute(state)
 
 
 

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.keyed_state import KeyedState
+from grpo_cli.core.kl import k3_of_log_weight
 from grpo_cli.core.packing import broadcast_to_tokens, lengths_from_cu_seqlens, segment_sum
 from grpo_cli.core.state import MetricState, Reduce, StateSpec, count, maximum, minimum, total
 from grpo_cli.engine.figures import Figure, column
@@ -195,7 +196,7 @@ class TrlPeerGroup(MetricGroup):
                 rows = self._clip(state, coef_tokens, f64(valid.advantages), cu, lengths, config)
         if valid.ref_logp is not None:
             y = f64(valid.ref_logp) - f64(valid.new_logp)
-            k3 = torch.expm1(y) - y
+            k3 = k3_of_log_weight(y)
             state.update(kl=(k3 * coef_tokens).sum(), n_kl=torch.tensor(y.numel()))
             kl_rows = (segment_sum(k3 * coef_tokens, cu, F64), lengths.to(F64))
         ent_rows: tuple[Tensor, Tensor] | None = None  # per-sequence Σ entropy and token counts

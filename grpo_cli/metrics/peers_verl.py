@@ -11,6 +11,7 @@ from torch import Tensor
 
 from grpo_cli._choices import VERL_RS_OPTIONS
 from grpo_cli.core.batch import TokenBatch
+from grpo_cli.core.kl import k3_of_log_weight
 from grpo_cli.core.packing import broadcast_to_tokens, lengths_from_cu_seqlens, segment_max, segment_sum
 from grpo_cli.core.peer_figures import VERL_SAFETY_BOUND, verl_rs_options, verl_rs_thresholds
 from grpo_cli.core.state import MetricState, StateSpec, count, maximum, minimum, total
@@ -147,7 +148,7 @@ def _rs_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu: T
     """Fold verl's rejection-sampling sums of one batch: ℓ = clamp(train − rollout, ±20), k1 = −ℓ, k2 = ℓ²/2,
     k3 = e^ℓ − 1 − ℓ; token options per token, ``seq_sum``/``seq_mean``/``seq_max`` per sequence."""
     log_ratio = (f64(train) - f64(rollout)).clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
-    per_token = {"k1": -log_ratio, "k2": 0.5 * log_ratio * log_ratio, "k3": torch.expm1(log_ratio) - log_ratio}
+    per_token = {"k1": -log_ratio, "k2": 0.5 * log_ratio * log_ratio, "k3": k3_of_log_weight(log_ratio)}
     lengths = lengths_from_cu_seqlens(cu).to(log_ratio.device)
     has = lengths > 0
     denom = lengths.to(F64).clamp(min=1.0)
@@ -298,7 +299,7 @@ def _verl_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu:
         "rows": torch.tensor(n_rows), "r": row_w.sum(), "r2": (row_w * row_w).sum(),
         "rows_high": (row_raw > c).sum(), "rows_low": (row_raw < lo).sum(),
         "ppl_t": torch.exp(-mu_t).sum(), "lppl_t": (-mu_t).sum(), "kl": (-log_ratio).sum(),
-        "k3": (torch.expm1(log_ratio) - log_ratio).sum(), "ppl_r": torch.exp(-mu_r).sum(), "lppl_r": (-mu_r).sum(),
+        "k3": k3_of_log_weight(log_ratio).sum(), "ppl_r": torch.exp(-mu_r).sum(), "lppl_r": (-mu_r).sum(),
         "diff": diff.sum(), "adiff": diff.abs().sum(), "pplratio": torch.exp(diff).sum(),
         "rho2": (rho * rho).sum(), "chi2seq": torch.exp(2.0 * seq_log).sum(),
     }
