@@ -9,6 +9,19 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from grpo_cli._choices import PROX_APPROX_METHODS
+from grpo_cli._constants import (
+    DEFAULT_BETA,
+    DEFAULT_DISTILL_WEIGHT,
+    DEFAULT_EPSILON,
+    DEFAULT_IS_THRESHOLD,
+    DEFAULT_MAX_COMPLETION_LENGTH,
+    DEFAULT_RL_WEIGHT,
+    DEFAULT_TAU_POS,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_VLLM_IS_CLIP_MAX,
+    DEFAULT_VLLM_IS_MODE,
+)
 from grpo_cli.cli._app import app
 from grpo_cli.cli._options import (
     DEFAULT_BATCH_TOKENS,
@@ -71,10 +84,11 @@ __all__ = ["analyze", "compare_prox"]
 def analyze(
     ctx: typer.Context,
     paths: PathsArg,
-    epsilon: EpsilonOpt = 0.2,
+    epsilon: EpsilonOpt = DEFAULT_EPSILON,
     epsilon_high: EpsilonHighOpt = None,
-    temperature: TemperatureOpt = 1.0,
-    top_k: Annotated[int, typer.Option("--top-k", help="Report the k highest-KL tokens (0: off).")] = 10,
+    temperature: TemperatureOpt = DEFAULT_TEMPERATURE,
+    top_k: Annotated[int, typer.Option("--top-k", help="Report the k highest-KL tokens (0: off).")
+    ] = DEFAULT_TOP_K,
     batch_tokens: BatchTokensOpt = DEFAULT_BATCH_TOKENS,
     device: DeviceOpt = "cpu",
     output_format: FormatOpt = "table",
@@ -92,12 +106,13 @@ def analyze(
         typer.Option("--loss", help="Loss to report (repeatable): grpo, gspo, sapo, cispo, bnpo, dr_grpo, ppo."),
     ] = None,
     c_clip: CClipOpt = None,
-    beta: Annotated[float, typer.Option("--beta", help="KL penalty coefficient of the GRPO-family losses.")] = 0.0,
-    tau_pos: Annotated[float, typer.Option("--tau-pos", help="SAPO gate temperature for A > 0.")] = 1.0,
+    beta: Annotated[float, typer.Option("--beta", help="KL penalty coefficient of the GRPO-family losses.")
+    ] = DEFAULT_BETA,
+    tau_pos: Annotated[float, typer.Option("--tau-pos", help="SAPO gate temperature for A > 0.")] = DEFAULT_TAU_POS,
     tau_neg: Annotated[float | None, typer.Option("--tau-neg", help="SAPO gate temperature for A < 0.")] = None,
     max_completion_length: Annotated[
         int, typer.Option("--max-completion-length", help="Dr.GRPO's fixed normaliser.")
-    ] = 1024,
+    ] = DEFAULT_MAX_COMPLETION_LENGTH,
     importance_level: ImportanceLevelOpt = "token",
     rs_level: RsLevelOpt = None,
     rs_action: RsActionOpt = None,
@@ -107,17 +122,17 @@ def analyze(
     rs_lower: RsLowerOpt = None,
     on_invalid: OnInvalidOpt = "error",
     kl_clamp: KlClampOpt = None,
-    is_threshold: IsThresholdOpt = 2.0,
+    is_threshold: IsThresholdOpt = DEFAULT_IS_THRESHOLD,
     m2_threshold: Annotated[
         float | None, typer.Option("--m2-threshold", help="M2PO threshold on the mean (old - prox)^2 (default: off).")
     ] = None,
     current_version: CurrentVersionOpt = None,
     distill_weight: Annotated[
         float, typer.Option("--distill-weight", help="AReaL distill_loss_weight w_d of loss/kd (teacher_logp).")
-    ] = 0.005,
+    ] = DEFAULT_DISTILL_WEIGHT,
     rl_weight: Annotated[
         float, typer.Option("--rl-weight", help="AReaL rl_loss_weight; 0 selects the importance-sampled loss/kd.")
-    ] = 1.0,
+    ] = DEFAULT_RL_WEIGHT,
     max_new_tokens: Annotated[
         int | None,
         typer.Option("--max-new-tokens", help="Without an eos column: a response this long had no EOS "
@@ -132,8 +147,8 @@ def analyze(
     rollout_is_threshold: RolloutIsThresholdOpt = None,
     rollout_rs: RolloutRsOpt = None,
     rollout_rs_threshold: RolloutRsThresholdOpt = None,
-    vllm_is_mode: VllmIsModeOpt = "sequence_mask",
-    vllm_is_clip_max: VllmIsClipMaxOpt = 3.0,
+    vllm_is_mode: VllmIsModeOpt = DEFAULT_VLLM_IS_MODE,
+    vllm_is_clip_max: VllmIsClipMaxOpt = DEFAULT_VLLM_IS_CLIP_MAX,
     vllm_is_clip_min: VllmIsClipMinOpt = None,
     workers: WorkersOpt = None,
     quiet: QuietOpt = False,
@@ -265,7 +280,7 @@ def compare_prox(
         typer.Option("--method", **one_of(*PROX_APPROX_METHODS, "all"),
             help="Approximation(s) to compare (repeatable; default all)."),
     ] = None,
-    epsilon: EpsilonOpt = 0.2,
+    epsilon: EpsilonOpt = DEFAULT_EPSILON,
     epsilon_high: EpsilonHighOpt = None,
     c_clip: CClipOpt = None,
     importance_level: ImportanceLevelOpt = "token",

@@ -6,6 +6,18 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from grpo_cli._choices import FRAMEWORKS, TRL_VLLM_IS_MODES, VERL_ROLLOUT_IS_LEVELS
+from grpo_cli._constants import (
+    DEFAULT_BETA,
+    DEFAULT_DISTILL_WEIGHT,
+    DEFAULT_IS_THRESHOLD,
+    DEFAULT_MAX_COMPLETION_LENGTH,
+    DEFAULT_RL_WEIGHT,
+    DEFAULT_TAU_POS,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_VLLM_IS_CLIP_MAX,
+    DEFAULT_VLLM_IS_MODE,
+)
 from grpo_cli.core.grpo_family import GRPO_VARIANTS
 from grpo_cli.core.histogram import QUANTILE_REL_ERROR
 from grpo_cli.core.peer_figures import verl_is_threshold, verl_rs_options, verl_rs_thresholds
@@ -52,24 +64,24 @@ class AnalyzeConfig(PPOOptions):
     (``vllm_is_*``).
     """
 
-    temperature: float = 1.0
-    top_k: int = 10
+    temperature: float = DEFAULT_TEMPERATURE
+    top_k: int = DEFAULT_TOP_K
     batch_tokens: int = DEFAULT_BATCH_TOKENS
     device: str = "cpu"
     group_by: str | None = None
     max_groups: int = 100_000
     losses: tuple[str, ...] | None = None
-    beta: float = 0.0
-    tau_pos: float = 1.0
+    beta: float = DEFAULT_BETA
+    tau_pos: float = DEFAULT_TAU_POS
     tau_neg: float | None = None
-    max_completion_length: int = 1024
+    max_completion_length: int = DEFAULT_MAX_COMPLETION_LENGTH
     on_invalid: str = "error"
     kl_clamp: float | None = None
-    is_threshold: float = 2.0
+    is_threshold: float = DEFAULT_IS_THRESHOLD
     m2_threshold: float | None = None
     current_version: int | None = None
-    distill_weight: float = 0.005
-    rl_weight: float = 1.0
+    distill_weight: float = DEFAULT_DISTILL_WEIGHT
+    rl_weight: float = DEFAULT_RL_WEIGHT
     max_new_tokens: int | None = None
     names: str | None = None
     convention: str | None = None
@@ -77,8 +89,8 @@ class AnalyzeConfig(PPOOptions):
     rollout_is_threshold: str | None = None
     rollout_rs: str | None = None
     rollout_rs_threshold: str | None = None
-    vllm_is_mode: str = "sequence_mask"
-    vllm_is_clip_max: float = 3.0
+    vllm_is_mode: str = DEFAULT_VLLM_IS_MODE
+    vllm_is_clip_max: float = DEFAULT_VLLM_IS_CLIP_MAX
     vllm_is_clip_min: float | None = None
 
     def peer(self) -> str | None:

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from grpo_cli import __version__
+from grpo_cli._constants import REPORT_HEADLINE_KEYS
 from grpo_cli._format import format_value
 from grpo_cli.commands.report import Report, per_step_series
 from grpo_cli.findings import verdict
@@ -48,9 +49,8 @@ TRENDS: tuple[tuple[str, str, tuple[str, ...], str, str], ...] = (
 )
 """The per-step trend charts: (id, title, metric keys — ``loss/*`` = every loss reported, y label, caption)."""
 
-HEADLINE_KEYS = ("kl/k3", "clip/ratio", "ratio/max", "is/ess", "staleness/theta_mean", "entropy/mean",
-                 "reward/mean")
-"""Figures shown as cards in the page header (when reported)."""
+HEADLINE_KEYS = REPORT_HEADLINE_KEYS
+"""Figures shown as cards in the page header (when reported); declared in ``grpo_cli._constants``."""
 
 HEAT_COLUMNS = (("clip/ratio", "value"), ("kl/k3", "value"), ("is/mean", "dev1"))
 
