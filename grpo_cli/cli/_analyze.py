@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -70,12 +69,9 @@ from grpo_cli.cli._options import (
     with_options,
     write_result,
 )
-from grpo_cli.errors import UsageError
 
 if TYPE_CHECKING:
     from rich.console import Console
-
-    from grpo_cli.engine.run import AnalysisResult
 
 __all__ = ["analyze", "compare_prox"]
 
@@ -179,24 +175,27 @@ def analyze(
     from grpo_cli.commands.analyze import AnalyzeConfig
     from grpo_cli.commands.analyze import analyze as run_analysis
     from grpo_cli.findings import DetectConfig
-    from grpo_cli.render.documents import analyze_document, to_csv, to_wide_csv
-    from grpo_cli.render.findings import render_findings, render_headline
-    from grpo_cli.render.tables import render_group_table, render_table
+    from grpo_cli.metrics.names import rename_result
+    from grpo_cli.render.analyze import analyze_csv, group_table_metrics, render_analyze
+    from grpo_cli.render.documents import analyze_document
 
     config = config_from(
         AnalyzeConfig, locals(), device=check_device(device),
         losses=None if not loss else tuple(name for item in loss for name in item.split(",") if name),
     )
     config.validate()
+    if tensorboard is not None:
+        from grpo_cli.render.tensorboard import export_tensorboard, require_tensorboard, with_step_split
+
+        require_tensorboard()  # a missing extra fails now, not after the whole dump has been read
     for note in config.ppo_notes():
         typer.echo(f"grpo-cli: warning: {note}", err=True)
     dataset = open_input(paths, column_map, preset)
     options, from_metadata = metadata_defaults(ctx, dataset.files, config)
     config = with_options(config, options)
-    # TensorBoard curves are per step: without --group-by the step split is computed for them alone.
-    by_step = tensorboard is not None and group_by is None and "step" in dataset.columns
-    if by_step:
-        config = dataclasses.replace(config, group_by="step")
+    split_added = False
+    if tensorboard is not None:
+        config, split_added = with_step_split(config, dataset.columns)
     detect = DetectConfig(max_staleness=max_staleness, prox_approximation=prox_approximation) if findings else None
     with progress_bar(dataset.n_tokens, quiet) as progress:
         result = run_analysis(dataset, config, progress=progress, workers=resolve_workers(workers, device),
@@ -205,70 +204,17 @@ def analyze(
         result.config["from_metadata"] = from_metadata
     warn_skipped(result.metrics)
     if tensorboard is not None:
-        from grpo_cli.render.tensorboard import write_tensorboard
-
-        steps = result.groups if by_step or group_by == "step" else []
-        write_tensorboard(tensorboard, groups=steps, metrics=result.metrics, config=result.config,
-                          notes=[*dataset.notes, *(f"{f['code']} {f['severity']} [{f['category']}]: {f['title']}"
-                                                   for f in result.findings)])
-        if by_step:
-            result.groups = []
-            result.config["group_by"] = None
-    from grpo_cli.metrics.names import rename_result
-
+        export_tensorboard(tensorboard, result, split_added=split_added, notes=dataset.notes)
     result, labels = rename_result(result, names)
-    selected = _select_metrics(metric_names, result, defaults=[
-        next((theirs for theirs, ours in labels.items() if ours == key), key) for key in DEFAULT_GROUP_METRICS
-    ])
-
-    def draw(console: Console) -> None:
-        render_findings(console, result.findings, n_tokens=int(result.metrics.get("n_tokens", 0)),
-                        inputs=result.inputs)
-        if not all_tables:
-            render_headline(console, result.metrics, labels)
-            if group_by is not None:
-                render_group_table(console, group_by, result.groups, selected)
-            return
-        render_table(console, title="grpo-cli analyze", metrics=result.metrics, omitted=result.omitted,
-                     inputs=result.inputs, config=result.config, sources=labels)
-        if group_by is not None:
-            render_group_table(console, group_by, result.groups, selected)
-
+    selected = group_table_metrics(metric_names, result, labels)
     write_result(
         output_format,
         output,
         document=lambda: analyze_document(result, preset=preset),
-        csv=lambda: (to_wide_csv(result.metrics, result.groups if group_by is not None else None, group_by=group_by)
-                     if wide else to_csv(result.metrics, groups=result.groups if group_by is not None else None,
-                                         findings=result.findings)),
-        table=draw,
+        csv=lambda: analyze_csv(result, group_by=group_by, wide=wide),
+        table=lambda console: render_analyze(console, result, labels, group_by=group_by, metrics=selected,
+                                             all_tables=all_tables),
     )
-
-
-DEFAULT_GROUP_METRICS = ("n_valid_tokens", "kl/k3", "clip/ratio", "ratio/max", "logp/diff_mean")
-
-
-def _select_metrics(names: str | None, result: AnalysisResult, defaults: list[str] | None = None) -> list[str]:
-    """The per-group table's columns: ``--metrics`` (validated) or a default set, as far as reported."""
-    available = set(result.metrics)
-    for group in result.groups:
-        available |= set(group["metrics"])
-    if names is None:
-        return [name for name in (DEFAULT_GROUP_METRICS if defaults is None else defaults) if name in available]
-    chosen = [name.strip() for name in names.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in available]
-    if unknown:
-        import difflib
-
-        def close(name: str) -> str:
-            matches = difflib.get_close_matches(name, sorted(available), n=3, cutoff=0.6)
-            return f"'{name}' (did you mean {' or '.join(repr(m) for m in matches)}?)" if matches else f"'{name}'"
-
-        raise UsageError(f"--metrics: not reported for this dump: {', '.join(close(name) for name in unknown)}; "
-                         "--format json lists every reported key")
-    return chosen
-
-
 
 
 @app.command("compare-prox")
