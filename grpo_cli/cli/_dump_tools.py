@@ -1,4 +1,5 @@
-"""The commands around the data: ``schema``, ``convert``, ``advantages`` and ``sample``."""
+"""The commands that describe, convert, recompute or make a dump: ``schema``, ``convert``, ``advantages`` and
+``sample``."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from grpo_cli.cli._options import (
 )
 from grpo_cli.errors import EXIT_CHECK_FAILED, UsageError
 
-__all__ = ["advantages", "convert", "explain", "sample", "schema"]
+__all__ = ["advantages", "convert", "sample", "schema"]
 
 
 @app.command()
@@ -222,13 +223,3 @@ def sample(
         raise UsageError(f"{out}: cannot write ({exc.strerror or exc})") from None
     if not quiet:
         typer.echo(f"wrote {out}", err=True)
-
-
-@app.command()
-def explain(
-    code: Annotated[str, typer.Argument(metavar="CODE", help="A finding's code, e.g. GRP101.")],
-) -> None:
-    """What a finding means, why it matters, how it is detected and how to fix it (docs/findings.md)."""
-    from grpo_cli.findings import explain as explanation
-
-    emit(explanation(code), None)
