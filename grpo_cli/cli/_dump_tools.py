@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from grpo_cli._choices import ADVANTAGE_ESTIMATORS, CONVERT_FORMATS
+from grpo_cli._choices import ADVANTAGE_ESTIMATORS, CONVERT_FORMATS, PRESET_NAMES
 from grpo_cli.cli._app import app
 from grpo_cli.cli._options import (
     DEFAULT_BATCH_TOKENS,
@@ -38,7 +38,12 @@ __all__ = ["advantages", "convert", "sample", "schema"]
 
 @app.command()
 def schema(
-    preset: PresetOpt = None,
+    preset: Annotated[
+        str | None,
+        typer.Option("--preset", **one_of(*PRESET_NAMES),
+                     help="Also show this framework's column map: the tensors each schema column is read from "
+                     "(first present wins), its alignment and window, and notes on its conventions."),
+    ] = None,
     output_format: FormatOpt = "table",
     output: OutputOpt = None,
 ) -> None:
