@@ -190,7 +190,7 @@ def analyze(
         require_tensorboard()  # a missing extra fails now, not after the whole dump has been read
     for note in config.ppo_notes():
         typer.echo(f"grpo-cli: warning: {note}", err=True)
-    dataset = open_input(paths, column_map, preset)
+    dataset = open_input(paths, column_map, preset, config.on_invalid)
     options, from_metadata = metadata_defaults(ctx, dataset.files, config)
     config = with_options(config, options)
     split_added = False
@@ -271,7 +271,7 @@ def compare_prox(
     config.validate()
     for note in config.ppo_notes():
         typer.echo(f"grpo-cli: warning: {note}", err=True)
-    dataset = open_input(paths, column_map, preset)
+    dataset = open_input(paths, column_map, preset, config.on_invalid)
     options, from_metadata = metadata_defaults(ctx, dataset.files, config)
     config = with_options(config, options)
     if current_version is not None and "current_version" in dataset.columns:

@@ -124,7 +124,7 @@ def diff(
         typer.echo(f"grpo-cli: warning: {note}", err=True)
     measured, options, used = [], [], []
     for paths, name in zip((base_paths, new_paths), labels):
-        dataset = open_input(paths, column_map, preset)
+        dataset = open_input(paths, column_map, preset, config.on_invalid)
         # Each run is measured with its own dump's recorded options where the command line gave none.
         found, reported = metadata_defaults(ctx, dataset.files, config)
         with progress_bar(dataset.n_tokens, quiet) as progress:

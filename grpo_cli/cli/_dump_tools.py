@@ -194,7 +194,7 @@ def advantages(
         device=check_device(device),
     )
     config.validate()
-    dataset = open_input(paths, column_map, preset)
+    dataset = open_input(paths, column_map, preset, on_invalid)
     result = check_advantages(dataset, config, write=write, workers=resolve_workers(workers, device))
     warn_skipped(result.metrics)
     if write is not None and not quiet:
