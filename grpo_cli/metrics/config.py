@@ -37,7 +37,7 @@ peer (the core's ``convention`` strings). ``verl<=0.7``: ``rollout_corr/rollout_
 
 _PEER_SETTINGS: dict[str, tuple[str, ...]] = {
     "verl": ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold"),
-    "trl": ("vllm_is_mode", "vllm_is_clip_max", "vllm_is_clip_min"),
+    "trl": ("vllm_is_mode", "vllm_is_clip_max", "vllm_is_clip_min", "advantages_per_token"),
 }
 """The fields that configure one peer's logged figures (reported in the JSON ``config`` under its ``--names``)."""
 
@@ -61,7 +61,9 @@ class AnalyzeConfig(PPOOptions):
     ``RolloutCorrectionConfig`` ``rollout_is`` (level), ``rollout_is_threshold`` (``None``: ``is_threshold``;
     ``"l_u"``: IcePop), ``rollout_rs`` and ``rollout_rs_threshold`` (rejection sampling, off when ``None``); TRL's
     ``GRPOConfig`` ``vllm_importance_sampling_mode``, ``vllm_importance_sampling_clip_max`` and ``_clip_min``
-    (``vllm_is_*``).
+    (``vllm_is_*``). ``advantages_per_token`` is not an option but what the dump holds (``commands.analyze`` sets
+    it under ``--names trl``): TRL's clip ratios at sequence level average over sequences for its base ``[B]``
+    advantages and over tokens for per-token ``[B, T]`` ones (:func:`~grpo_cli.core.peer_trl.trl_clip_ratio_metrics`).
     """
 
     temperature: float = DEFAULT_TEMPERATURE
@@ -92,6 +94,7 @@ class AnalyzeConfig(PPOOptions):
     vllm_is_mode: str = DEFAULT_VLLM_IS_MODE
     vllm_is_clip_max: float = DEFAULT_VLLM_IS_CLIP_MAX
     vllm_is_clip_min: float | None = None
+    advantages_per_token: bool = False
 
     def peer(self) -> str | None:
         """The peer framework whose figures are asked for (``None`` for grpo-cli's own names)."""

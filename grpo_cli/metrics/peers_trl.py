@@ -153,7 +153,8 @@ class TrlPeerGroup(MetricGroup):
     """TRL's clip ratios, ``cispo_clip_ratio``, its logged (bias-corrected) ``kl`` and the vLLM
     importance-sampling figures (``--names trl``). The ratio base is TRL's ``old_per_token_logps``: our
     ``prox_logp`` when the dump has it, else ``old_logp``; ``--importance-level sequence`` uses TRL's sequence
-    ratio exp(mean log-ratio), the means then running over sequences.
+    ratio exp(mean log-ratio), the clip means then running over sequences for a per-sequence advantages column (TRL's
+    ``[B]``) and over tokens for a per-token one (``config.advantages_per_token``; TRL's ``[B, T]``).
 
     With the dump's ``micro_batch`` column, ``clip_ratio/*``, ``cispo_clip_ratio`` and ``kl`` follow TRL's
     averaging (``GRPOTrainer._compute_loss`` per micro-batch, then the plain mean in ``GRPOTrainer.log``) from a
@@ -230,9 +231,11 @@ class TrlPeerGroup(MetricGroup):
         ``masked_seq_mean`` is NaN)."""
         eps_lo = config.epsilon
         eps_hi = config.epsilon if config.epsilon_high is None else config.epsilon_high
-        if config.importance_level == "sequence":
-            # TRL keeps one ratio per sequence and reads the advantage at its first position; an empty
-            # sequence has ratio exp(0) = 1 and is never clipped, but counts.
+        if config.importance_level == "sequence" and not config.advantages_per_token:
+            # TRL's (B, 1) sequence ratio against its (B,) advantages: one indicator per sequence, the means over
+            # sequences; an empty sequence has ratio exp(0) = 1 and is never clipped, but counts. With per-token
+            # advantages TRL broadcasts the sequence ratio against them: the token branch below, coef being the
+            # sequence ratio repeated over its tokens (trl_clip_ratio_metrics).
             coef = torch.where(lengths > 0, _row_first(coef, cu), torch.ones_like(lengths, dtype=F64))
             adv = _row_first(adv, cu)
             low, high = (coef < 1 - eps_lo) & (adv < 0), (coef > 1 + eps_hi) & (adv > 0)

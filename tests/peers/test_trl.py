@@ -132,7 +132,8 @@ def test_compute_loss(trl: SimpleNamespace, loss_type: str, beta: float, dtype: 
         close(trl_logged_kl(b.lp, b.old, b.ref, b.mask, importance_sampling_level=level), logged["kl"][0], dtype, "kl")
     if loss_type in ("grpo", "gspo", "bnpo", "dapo", "dr_grpo"):
         clip = trl_clip_ratio_metrics(
-            b.lp, b.old, adv, b.mask, epsilon_low=0.2, epsilon_high=eps_high, importance_sampling_level=level
+            b.lp, b.old, b.adv[:, 0] if per_sequence_adv else adv, b.mask, epsilon_low=0.2, epsilon_high=eps_high,
+            importance_sampling_level=level,
         )
         for key, value in clip.items():
             close(value, logged[f"clip_ratio/{key}"][0], torch.float32, f"clip_ratio/{key}")
@@ -143,6 +144,21 @@ def test_compute_loss(trl: SimpleNamespace, loss_type: str, beta: float, dtype: 
             torch.float32,
             "cispo_clip_ratio",
         )
+
+
+@pytest.mark.parametrize("per_sequence_adv", [True, False])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_clip_ratios_follow_the_advantages_shape(trl: SimpleNamespace, level: str, per_sequence_adv: bool) -> None:
+    # TRL 1.16 averages clip_ratio/* over sequences only when coef_1 and the advantages are both one per sequence
+    # ((B, 1) sequence ratio, (B,) advantages); per-token advantages at sequence level give token means.
+    b = make_batch(21, torch.float64)
+    _, logged = _run_trl(trl, "grpo", level, b, b.fresh_lp(), beta=0.0, bias_kl=True, eps_high=0.28,
+                         per_sequence_adv=per_sequence_adv)
+    adv = b.adv[:, 0] if per_sequence_adv else b.adv
+    clip = trl_clip_ratio_metrics(b.lp, b.old, adv, b.mask, epsilon_low=0.2, epsilon_high=0.28,
+                                  importance_sampling_level=level)
+    for key, value in clip.items():
+        close(value, logged[f"clip_ratio/{key}"][0], torch.float32, f"clip_ratio/{key}")  # TRL logs float32 means
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo"])
