@@ -161,6 +161,32 @@ def test_clip_ratios_follow_the_advantages_shape(trl: SimpleNamespace, level: st
         close(value, logged[f"clip_ratio/{key}"][0], torch.float32, f"clip_ratio/{key}")  # TRL logs float32 means
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "gspo", "sapo"])
+def test_extreme_ratios_are_not_clamped_under_the_trl_convention(trl: SimpleNamespace, loss_type: str) -> None:
+    # TRL takes exp of the raw log-ratio; grpo-cli's own (twinkle's) loss clamps it to ±20 first.
+    variant, level = LOSSES[loss_type]
+    b = make_batch(3, torch.float64)
+    b.old[7, :3] = b.lp[7, :3].detach() - torch.tensor([25.0, -24.0, 30.0], dtype=torch.float64)
+    per_sequence_adv = loss_type == "gspo"
+    adv = b.adv[:, :1].expand_as(b.adv) if per_sequence_adv else b.adv
+    lp_peer, lp_ours = b.fresh_lp(), b.fresh_lp()
+    peer, _ = _run_trl(trl, loss_type, level, b, lp_peer, beta=0.04, bias_kl=True, eps_high=0.28,
+                       per_sequence_adv=per_sequence_adv)
+    num, den = grpo_family_loss_terms(variant, lp_ours, b.old, b.ref, adv, b.mask, None, clip_low=0.2, clip_high=0.28,
+                                      beta=0.04, max_completion_length=b.mask.shape[1], tau_pos=1.0, tau_neg=1.05,
+                                      convention="trl")
+    ours = num / den
+    close(ours, peer, torch.float64, f"{loss_type} loss")
+    (g_peer,) = torch.autograd.grad(peer, lp_peer)
+    (g_ours,) = torch.autograd.grad(ours, lp_ours)
+    close(torch.where(b.mask, g_ours, 0), torch.where(b.mask, g_peer, 0), torch.float64, f"{loss_type} gradient")
+    clamped, _ = grpo_family_loss_terms(variant, b.lp.detach(), b.old, b.ref, adv, b.mask, None, clip_low=0.2,
+                                        clip_high=0.28, beta=0.04, max_completion_length=b.mask.shape[1],
+                                        tau_pos=1.0, tau_neg=1.05, convention="twinkle",
+                                        use_bias_correction_kl=True)
+    assert not torch.isclose(clamped / den, peer.detach().to(torch.float64), rtol=1e-6)  # the clamp would differ
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo"])
 def test_bias_correction_off_matches_grpo_cli_default(trl: SimpleNamespace, loss_type: str) -> None:
     # TRL with use_bias_correction_kl=False is grpo-cli's (and twinkle's) uncorrected KL term.
