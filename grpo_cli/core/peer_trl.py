@@ -23,7 +23,9 @@ from grpo_cli.core._peer_common import (
 from grpo_cli.core.kl import kl_estimate
 
 __all__ = [
+    "trl_bound_is_ratio",
     "trl_cispo_clip_ratio",
+    "trl_clip_indicators",
     "trl_clip_ratio_metrics",
     "trl_logged_kl",
     "trl_sampling_metrics",
@@ -86,6 +88,40 @@ def _trl_advantages(advantages: Tensor, log_prob: Tensor) -> Tensor:
     return advantages
 
 
+def trl_clip_indicators(
+    coef: Tensor, advantages: Tensor, epsilon_low: float, epsilon_high: float
+) -> tuple[Tensor, Tensor]:
+    """TRL's ``is_low_clipped = (coef_1 < 1 − ε_low) & (A < 0)`` and ``is_high_clipped = (coef_1 > 1 + ε_high) &
+    (A > 0)`` (``GRPOTrainer._compute_loss``), for any broadcastable shapes: the batch figures
+    (:func:`trl_clip_ratio_metrics`) and the streaming ``--names trl`` group both call it.
+
+    Example:
+        >>> low, high = trl_clip_indicators(torch.tensor([0.5, 1.5]), torch.tensor([-1.0, 1.0]), 0.2, 0.2)
+        >>> low.tolist(), high.tolist()
+        ([True, False], [False, True])
+    """
+    return (coef < 1 - epsilon_low) & (advantages < 0), (coef > 1 + epsilon_high) & (advantages > 0)
+
+
+def trl_bound_is_ratio(ratio: Tensor, mode: str, clip_min: float | None, clip_max: float | None) -> Tensor:
+    """TRL's vLLM importance-sampling ratio after its bounds (``_generate_and_score_completions``): ``*_truncate``
+    clamps to ``[clip_min, clip_max]``, ``*_mask`` sets ratios outside to 0 (a missing bound is no bound). The
+    batch figures (:func:`trl_sampling_metrics`) and the streaming ``--names trl`` group both call it.
+
+    Example:
+        >>> r = torch.tensor([0.5, 2.0, 4.0])
+        >>> trl_bound_is_ratio(r, "token_truncate", 0.6, 3.0).tolist()
+        [0.6000000238418579, 2.0, 3.0]
+        >>> trl_bound_is_ratio(r, "token_mask", 0.6, 3.0).tolist()
+        [0.0, 2.0, 0.0]
+    """
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    lo = -math.inf if clip_min is None else clip_min
+    hi = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+
+
 def _trl_indicator_means(x: Tensor, m: Tensor) -> tuple[float, Tensor]:
     """TRL's ``global_masked_mean`` and ``masked_seq_mean`` of an indicator ``x`` (``[B, 1]`` or ``[B, T]``): a
     ``[B, 1]`` one is one value per sequence (every row counts, the mask is not read); a wider one is masked token
@@ -131,8 +167,7 @@ def trl_clip_ratio_metrics(
     if importance_sampling_level == "sequence":
         coef = coef[:, :1]  # TRL's (B, 1) sequence ratio
     adv = _trl_advantages(advantages, log_prob).detach().to(cd)
-    low = (coef < 1 - eps_lo) & (adv < 0)
-    high = (coef > 1 + eps_hi) & (adv > 0)
+    low, high = trl_clip_indicators(coef, adv, eps_lo, eps_hi)
     low_mean, low_seq = _trl_indicator_means(low, m)
     high_mean, high_seq = _trl_indicator_means(high, m)
     region_mean, _ = _trl_indicator_means(low | high, m)
@@ -215,13 +250,7 @@ def trl_sampling_metrics(
     diff = torch.nan_to_num(where(m, old - samp), nan=0.0)
     sequence = mode.startswith("sequence")
     log_w = diff.to(F64).sum(-1, keepdim=True).to(cd) if sequence else diff
-    ratio = torch.exp(log_w)
-    if mode.endswith("truncate"):
-        ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
-    else:
-        lo = -math.inf if clip_min is None else clip_min
-        hi = math.inf if clip_max is None else clip_max
-        ratio = ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+    ratio = trl_bound_is_ratio(torch.exp(log_w), mode, clip_min, clip_max)
     delta = (old - samp).abs()
     keep = m & ~torch.isnan(delta)
     n = int(keep.sum())

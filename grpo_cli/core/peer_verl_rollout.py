@@ -32,7 +32,10 @@ __all__ = [
     "verl_offpolicy_metrics",
     "verl_rollout_is",
     "verl_rollout_rs",
+    "verl_rs_bounds",
+    "verl_rs_keep",
     "verl_rs_options",
+    "verl_rs_statistics",
     "verl_rs_thresholds",
 ]
 
@@ -218,6 +221,36 @@ def verl_rs_thresholds(options: list[str], spec: str | float) -> dict[str, tuple
     return out
 
 
+def verl_rs_statistics(log_ratio: Tensor) -> dict[str, Tensor]:
+    """verl's per-token rejection statistics (``compute_rollout_rejection_mask``) of ``ℓ = clamp(train − rollout,
+    ±20)``: ``k1 = −ℓ``, ``k2 = ℓ²/2``, ``k3 = e^ℓ − 1 − ℓ``. The one place they are written: the batch function
+    :func:`verl_rollout_rs` and the streaming ``--names verl`` group both call it.
+
+    Example:
+        >>> {k: round(v.item(), 4) for k, v in verl_rs_statistics(torch.tensor([1.0])).items()}
+        {'k1': -1.0, 'k2': 0.5, 'k3': 0.7183}
+    """
+    return {"k1": -log_ratio, "k2": 0.5 * log_ratio * log_ratio, "k3": k3_of_log_weight(log_ratio)}
+
+
+def verl_rs_bounds(option: str, lower: float | None, upper: float) -> tuple[float, float]:
+    """The interval an option's statistic must lie in to keep a token: ``[log lower, log upper]`` for the k1
+    options (their statistic is a log-ratio; ``lower`` absent: 0), ``[0, upper]`` for k2/k3 (only the upper bound
+    is tested, :func:`verl_rs_keep`).
+
+    Example:
+        >>> verl_rs_bounds("token_k1", None, math.e), verl_rs_bounds("seq_mean_k3", None, 0.5)
+        ((0.0, 1.0), (0.0, 0.5))
+    """
+    k1 = option.endswith("k1")
+    return (math.log(lower) if k1 and lower is not None else 0.0), (math.log(upper) if k1 else upper)
+
+
+def verl_rs_keep(stat: Tensor, option: str, low: float, high: float) -> Tensor:
+    """Where ``option`` keeps a token: ``low ≤ stat ≤ high`` for k1, ``stat ≤ high`` for k2/k3 (verl)."""
+    return (stat >= low) & (stat <= high) if option.endswith("k1") else stat <= high
+
+
 def verl_rollout_rs(
     old_log_prob: Tensor,
     rollout_log_prob: Tensor,
@@ -266,15 +299,13 @@ def verl_rollout_rs(
         raise ValueError("response_mask must contain at least one valid token (1).")
     log_ratio = where(m, old_log_prob.detach().to(cd) - rollout_log_prob.detach().to(cd))
     log_ratio = log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
-    per_token = {"k1": -log_ratio, "k2": 0.5 * log_ratio * log_ratio, "k3": k3_of_log_weight(log_ratio)}
+    per_token = verl_rs_statistics(log_ratio)
     has = m.any(-1)
     keep_all = torch.ones_like(m)
     out: dict[str, float] = {}
     for option in options:
-        lower, upper = bounds[option]
+        lo_t, hi_t = verl_rs_bounds(option, *bounds[option])
         k1 = option.endswith("k1")
-        lo_t = math.log(lower) if k1 and lower is not None else 0.0
-        hi_t = math.log(upper) if k1 else upper
         values = per_token[option[-2:]]
         if option.startswith("token"):
             stat = values
@@ -288,7 +319,7 @@ def verl_rollout_rs(
                 seq_values = where(m, values.to(F64), -math.inf).max(-1).values
                 seq_values = torch.where(torch.isinf(seq_values), torch.zeros_like(seq_values), seq_values)
             stat = seq_values.to(cd)[:, None].expand_as(values)
-        keep = (stat >= lo_t) & (stat <= hi_t) if k1 else stat <= hi_t
+        keep = verl_rs_keep(stat, option, lo_t, hi_t)
         keep_all = keep_all & keep
         p = f"rollout_rs_{option}"
         valid_seq = seq_values[has]

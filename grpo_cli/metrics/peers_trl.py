@@ -12,6 +12,7 @@ from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.keyed_state import KeyedState
 from grpo_cli.core.kl import k3_of_log_weight
 from grpo_cli.core.packing import broadcast_to_tokens, lengths_from_cu_seqlens, segment_sum
+from grpo_cli.core.peer_trl import trl_bound_is_ratio, trl_clip_indicators
 from grpo_cli.core.state import MetricState, Reduce, StateSpec, count, maximum, minimum, total
 from grpo_cli.engine.figures import Figure, column
 from grpo_cli.engine.group import MetricGroup
@@ -42,14 +43,9 @@ def _trl_is_ratio(delta: Tensor, cu: Tensor, config: AnalyzeConfig) -> Tensor:
     exp(Σ Δ) (every sequence, an empty one exp(0) = 1) for the ``sequence_*`` modes, per valid token exp(Δ) for the
     ``token_*`` modes; ``*_truncate`` clamps to [C_min, C_max], ``*_mask`` sets ratios outside to 0.
     ``delta`` = prox − old per valid token (NaN already 0)."""
-    mode, lo, hi = config.vllm_is_mode, config.vllm_is_clip_min, config.vllm_is_clip_max
+    mode = config.vllm_is_mode
     ratio = torch.exp(segment_sum(delta, cu, F64) if mode.startswith("sequence") else delta)
-    if mode.endswith("truncate"):
-        return ratio.clamp(min=lo, max=hi)
-    outside = ratio > hi
-    if lo is not None:
-        outside |= ratio < lo
-    return ratio.masked_fill(outside, 0.0)
+    return trl_bound_is_ratio(ratio, mode, config.vllm_is_clip_min, config.vllm_is_clip_max)
 
 
 def _trl_figures() -> tuple[Figure, ...]:
@@ -238,14 +234,14 @@ class TrlPeerGroup(MetricGroup):
             # sequence ratio repeated over its tokens (trl_clip_ratio_metrics).
             coef = torch.where(lengths > 0, _row_first(coef, cu), torch.ones_like(lengths, dtype=F64))
             adv = _row_first(adv, cu)
-            low, high = (coef < 1 - eps_lo) & (adv < 0), (coef > 1 + eps_hi) & (adv > 0)
+            low, high = trl_clip_indicators(coef, adv, eps_lo, eps_hi)
             cispo = (coef > 1 + eps_hi) & (adv > 0)
             state.update(n=torch.tensor(coef.numel()), low=low.sum(), high=high.sum(), cispo=cispo.sum())
             if coef.numel():
                 state.update(low_min=low.to(F64).min(), high_max=high.to(F64).max())
             return {"n": torch.ones_like(coef), "low": low.to(F64), "high": high.to(F64),
                     "cispo": cispo.to(F64), "low_min": low.to(F64), "high_max": high.to(F64)}
-        low, high = (coef < 1 - eps_lo) & (adv < 0), (coef > 1 + eps_hi) & (adv > 0)
+        low, high = trl_clip_indicators(coef, adv, eps_lo, eps_hi)
         state.update(n=torch.tensor(coef.numel()), low=low.sum(), high=high.sum(), cispo=high.sum())
         has = lengths > 0
         denom = lengths.to(F64).clamp(min=1.0)

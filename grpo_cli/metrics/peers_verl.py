@@ -14,6 +14,7 @@ from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.kl import k3_of_log_weight
 from grpo_cli.core.packing import broadcast_to_tokens, lengths_from_cu_seqlens, segment_max, segment_sum
 from grpo_cli.core.peer_figures import VERL_SAFETY_BOUND, verl_rs_options, verl_rs_thresholds
+from grpo_cli.core.peer_verl_rollout import verl_rs_bounds, verl_rs_keep, verl_rs_statistics
 from grpo_cli.core.state import MetricState, StateSpec, count, maximum, minimum, total
 from grpo_cli.engine.figures import Figure, Requirement, column
 from grpo_cli.engine.group import MetricGroup
@@ -148,7 +149,7 @@ def _rs_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu: T
     """Fold verl's rejection-sampling sums of one batch: ℓ = clamp(train − rollout, ±20), k1 = −ℓ, k2 = ℓ²/2,
     k3 = e^ℓ − 1 − ℓ; token options per token, ``seq_sum``/``seq_mean``/``seq_max`` per sequence."""
     log_ratio = (f64(train) - f64(rollout)).clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
-    per_token = {"k1": -log_ratio, "k2": 0.5 * log_ratio * log_ratio, "k3": k3_of_log_weight(log_ratio)}
+    per_token = verl_rs_statistics(log_ratio)
     lengths = lengths_from_cu_seqlens(cu).to(log_ratio.device)
     has = lengths > 0
     denom = lengths.to(F64).clamp(min=1.0)
@@ -158,8 +159,7 @@ def _rs_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu: T
     upd: dict[str, Tensor] = {"rows_ne": has.sum()}
     for option, (lower, upper) in bounds.items():
         k1 = option.endswith("k1")
-        lo_t = math.log(lower) if k1 and lower is not None else 0.0
-        hi_t = math.log(upper) if k1 else upper
+        lo_t, hi_t = verl_rs_bounds(option, lower, upper)
         values = per_token[option[-2:]]
         if option.startswith("token"):
             seq_values = segment_sum(values, cu, F64) / denom
@@ -172,7 +172,7 @@ def _rs_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu: T
             else:
                 seq_values = torch.where(has, segment_max(values, cu), 0.0)
             stat = broadcast_to_tokens(seq_values, cu, n_tok)
-        keep = (stat >= lo_t) & (stat <= hi_t) if k1 else stat <= hi_t
+        keep = verl_rs_keep(stat, option, lo_t, hi_t)
         keep_all &= keep
         sv = seq_values[has]
         extreme = stat if option.startswith("token") else sv
