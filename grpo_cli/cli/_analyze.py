@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
@@ -69,9 +69,6 @@ from grpo_cli.cli._options import (
     with_options,
     write_result,
 )
-
-if TYPE_CHECKING:
-    from rich.console import Console
 
 __all__ = ["analyze", "compare_prox"]
 
@@ -263,7 +260,7 @@ def compare_prox(
     from grpo_cli.commands.compare_prox import compare_prox as run_compare
     from grpo_cli.core.prox import PROX_APPROX_METHODS
     from grpo_cli.render.documents import compare_prox_document, to_csv
-    from grpo_cli.render.prox import render_compare_prox_table
+    from grpo_cli.render.prox import render_compare_prox
 
     chosen = method or ["all"]
     methods = PROX_APPROX_METHODS if "all" in chosen else tuple(dict.fromkeys(chosen))
@@ -285,21 +282,10 @@ def compare_prox(
 
     result, labels = rename_result(result, names)
 
-    def draw(console: Console) -> None:
-        if labels:  # renamed keys: the plain sectioned table (the side-by-side layout needs grpo-cli's keys)
-            from grpo_cli.render.tables import render_table
-
-            render_table(console, title="grpo-cli compare-prox", metrics=result.metrics, omitted=result.omitted,
-                         inputs=result.inputs, config=result.config, sources=labels)
-            return
-        render_compare_prox_table(console, metrics=result.metrics, omitted=result.omitted, inputs=result.inputs,
-                                  config=result.config, methods=methods, recommendations=result.recommendations,
-                                  tolerance=tolerance)
-
     write_result(
         output_format,
         output,
         document=lambda: compare_prox_document(result, preset=preset),
         csv=lambda: to_csv(result.metrics),
-        table=draw,
+        table=lambda console: render_compare_prox(console, result, labels, methods=methods, tolerance=tolerance),
     )
