@@ -28,7 +28,9 @@ from grpo_cli.core.kl import k3_of_log_weight
 
 __all__ = [
     "VERL_RS_OPTIONS",
+    "verl_is_spread_values",
     "verl_is_threshold",
+    "verl_is_weights",
     "verl_offpolicy_metrics",
     "verl_rollout_is",
     "verl_rollout_rs",
@@ -38,6 +40,29 @@ __all__ = [
     "verl_rs_statistics",
     "verl_rs_thresholds",
 ]
+
+
+def verl_is_weights(raw: Tensor, threshold: float, threshold_lower: float | None) -> Tensor:
+    """verl's processed rollout IS weights from the raw ``w``: TIS ``min(w, C)`` without ``threshold_lower``,
+    IcePop ``w·[lower ≤ w ≤ C]`` with it (``compute_rollout_correction_weights``). The batch function
+    :func:`verl_rollout_is` and the streaming ``--names verl`` group both call it.
+
+    Example:
+        >>> w = torch.tensor([4.0, 0.25, 1.0])
+        >>> verl_is_weights(w, 2.0, None).tolist(), verl_is_weights(w, 2.0, 0.5).tolist()
+        ([2.0, 0.25, 1.0], [0.0, 0.0, 1.0])
+    """
+    if threshold_lower is None:
+        return raw.clamp(max=threshold)
+    zero = torch.zeros((), dtype=raw.dtype, device=raw.device)
+    return torch.where((raw >= threshold_lower) & (raw <= threshold), raw, zero)
+
+
+def verl_is_spread_values(raw: Tensor, weights: Tensor, threshold: float, lower: float, truncate: bool) -> Tensor:
+    """The values ``rollout_is_std`` and ``rollout_is_eff_sample_size`` are taken over: the processed weights
+    clamped to ``[0, C]`` (verl 0.8 and later, ``truncate``), or the raw ones clamped to ``[lower, C]`` (verl 0.7
+    and earlier; ``lower`` = IcePop's bound or ``1/C``)."""
+    return weights.clamp(min=0.0, max=threshold) if truncate else raw.clamp(min=lower, max=threshold)
 
 
 def verl_rollout_is(
@@ -100,7 +125,7 @@ def verl_rollout_is(
         log_for_metrics = log_ratio.to(F64).sum(-1, keepdim=True).to(cd)
         raw = torch.exp(log_for_metrics.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)).expand_as(log_ratio)
     raw = where(m, raw)
-    weights = raw.clamp(max=c) if lo_given is None else where((raw >= lo_given) & (raw <= c), raw)
+    weights = verl_is_weights(raw, c, lo_given)
     stat_w = weights if truncate else raw
     out: dict[str, float] = {"rollout_is_mean": masked_mean(stat_w, m)}
     if level == "sequence":
@@ -115,7 +140,7 @@ def verl_rollout_is(
         out["rollout_is_ratio_fraction_low"] = masked_mean(raw < lo, m)
         out["rollout_is_max"] = masked_max(stat_w, m)
         out["rollout_is_min"] = masked_min(stat_w, m)
-    v = weights.clamp(min=0.0, max=c) if truncate else raw.clamp(min=lo, max=c)
+    v = verl_is_spread_values(raw, weights, c, lo, truncate)
     mean_v = masked_mean(v, m)
     if int(m.sum()) > 1:
         out["rollout_is_std"] = math.sqrt(max(masked_mean(v.to(F64) ** 2, m) - mean_v**2, 0.0))

@@ -14,7 +14,13 @@ from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.kl import k3_of_log_weight
 from grpo_cli.core.packing import broadcast_to_tokens, lengths_from_cu_seqlens, segment_max, segment_sum
 from grpo_cli.core.peer_figures import VERL_SAFETY_BOUND, verl_rs_options, verl_rs_thresholds
-from grpo_cli.core.peer_verl_rollout import verl_rs_bounds, verl_rs_keep, verl_rs_statistics
+from grpo_cli.core.peer_verl_rollout import (
+    verl_is_spread_values,
+    verl_is_weights,
+    verl_rs_bounds,
+    verl_rs_keep,
+    verl_rs_statistics,
+)
 from grpo_cli.core.state import MetricState, StateSpec, count, maximum, minimum, total
 from grpo_cli.engine.figures import Figure, Requirement, column
 from grpo_cli.engine.group import MetricGroup
@@ -284,9 +290,9 @@ def _verl_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu:
     else:
         raw = rho
         n_high, n_low = (raw > c).sum(), (raw < lo).sum()
-    weights = raw.clamp(max=c) if lower is None else torch.where((raw >= lower) & (raw <= c), raw, 0.0)
+    weights = verl_is_weights(raw, c, lower)
     w = weights if truncate else raw
-    v = weights.clamp(min=0.0, max=c) if truncate else raw.clamp(min=lo, max=c)
+    v = verl_is_spread_values(raw, weights, c, lo, truncate)
     row_w = segment_sum(w, cu, F64) / denom
     row_raw = segment_sum(raw, cu, F64) / denom
     mu_t = segment_sum(t, cu, F64) / denom
