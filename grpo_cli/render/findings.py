@@ -13,17 +13,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from grpo_cli._constants import HEADLINE_KEYS
 from grpo_cli._format import format_value
 from grpo_cli.findings import verdict
 from grpo_cli.metrics.registry import KEYS
 
 __all__ = ["HEADLINE_KEYS", "render_findings", "render_headline", "render_rescaling"]
 
-HEADLINE_KEYS = (
-    "n_valid_tokens", "kl/k3", "kl/abs_diff_mean", "clip/ratio", "ratio/max", "is/ess", "staleness/theta_mean",
-    "entropy/mean", "reward/mean", "groups/zero_std_frac", "seq/no_eos_frac",
-)
-"""The figures the first screen shows (each when the dump has it)."""
 
 _STYLE = {"error": "bold red", "warning": "yellow", "inconclusive": "magenta", "info": "cyan"}
 _SHOWN_SEQUENCES = 3
