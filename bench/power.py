@@ -25,7 +25,7 @@ from _corpus_eval import LOUD, run_case  # noqa: E402
 
 from grpo_cli.commands.corpus_catalog import CONTROLS, FAULTS  # noqa: E402
 
-SIZES = {64: {"steps": 4, "prompts_per_step": 2}, 256: {"steps": 4, "prompts_per_step": 8},
+SIZES = {64: {"steps": 8, "prompts_per_step": 1}, 256: {"steps": 8, "prompts_per_step": 4},
          1024: {"steps": 8, "prompts_per_step": 16}}
 """Dump size in sequences (groups of 8) → the corpus run's shape."""
 

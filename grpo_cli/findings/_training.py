@@ -7,6 +7,7 @@ import math
 
 from grpo_cli.findings._base import (
     Detector,
+    Estimate,
     Finding,
     _cap,
     _Ctx,
@@ -76,10 +77,13 @@ def _no_signal(c: _Ctx) -> list[Finding]:
     z = _num(f, "groups/zero_std_frac")
     if z is None or z < ZERO_STD_INFO:
         return []
-    sev = _grade(z, ZERO_STD_WARNING, ZERO_STD_ERROR) or "info"
-    fix = RULES["GRP304"].fix
+    n_groups = _num(f, "diag/groups_n")
+    if n_groups:  # the run's rate, estimated from this dump's groups
+        sev, notes, est = _graded_fraction(z, n_groups, ZERO_STD_WARNING, ZERO_STD_ERROR, "groups")
+    else:
+        sev, notes, est = _grade(z, ZERO_STD_WARNING, ZERO_STD_ERROR) or "info", [], Estimate(z, z, z)
     return [Finding("GRP304", "no-signal", sev, RULES["GRP304"].title.format(frac=z),
-                    {"groups/zero_std_frac": _ev(z, ZERO_STD_WARNING)}, {}, fix)]
+                    {"groups/zero_std_frac": est.ev(ZERO_STD_WARNING)}, {}, RULES["GRP304"].fix, notes)]
 
 
 def _entropy(c: _Ctx) -> list[Finding]:
@@ -134,7 +138,7 @@ def _truncation(c: _Ctx) -> list[Finding]:
 
 DETECTORS = (
     Detector(_advantage, ("GRP301", "GRP302", "GRP303"), groups=("diag/groups",)),
-    Detector(_no_signal, ("GRP304",), keys=("groups/zero_std_frac",)),
+    Detector(_no_signal, ("GRP304",), groups=("diag/groups",), keys=("groups/zero_std_frac",)),
     Detector(_entropy, ("GRP401",), groups=("diag/by_step",), keys=("entropy/mean", "reward/mean")),
     Detector(_truncation, ("GRP402",), groups=("diag/by_step",), keys=("seq/no_eos_frac",)),
 )

@@ -19,10 +19,10 @@ rows emptied by ``mask_truncated_completions``.
   TRL warns about it) → GRP102 with T_behaviour/T_train = 1/0.7; the engine samples at its own 0.7 while the trainer
   scores at ``GRPOConfig.temperature = 1`` → GRP102 with 0.7; the engine's log-probs placed one token late (the
   next-token alignment slip) → GRP101. A learning rate of 1e-3 (each update moves the policy too far) → GRP206.
-- **Known false alarms** (reported to the findings owner, strict ``xfail`` until fixed, with their preconditions
-  asserted by ordinary tests): rows emptied by ``mask_truncated_completions`` uncentre their groups (GRP302, GRP303);
-  the second iteration's ``new_logp`` of a fast policy reads as re-tokenisation (GRP108).
-- **Earlier false alarms, fixed**: the reference equal to the policy in the first steps (GRP106) stays quiet.
+- **Earlier false alarms, fixed** (their preconditions asserted by ordinary tests): the reference equal to the
+  policy in the first steps (GRP106) stays quiet; rows emptied by ``mask_truncated_completions`` stay in their
+  groups and leave GRP302/GRP303 quiet; the second iteration's ``new_logp`` of a fast policy is not read as
+  re-tokenisation (GRP108), since the same-weights ``prox_logp`` still scores the token as the engine did.
 """
 
 from __future__ import annotations
@@ -314,11 +314,6 @@ def test_trl_centres_groups_over_the_rows_mask_truncated_completions_empties(hea
         assert abs(sum(r["advantages"] for r in g)) < 1e-4
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "detector false alarm, reported to the findings owner: core/diagnosis/groups.py drops rows of length 0 "
-    "(`keep = (lengths > 0) & ...`) before it counts masked-out rows, and TRL's mask_truncated_completions rows are "
-    "dumped empty, so their groups are judged on the remaining rows: not centred (GRP302), not scaled like the "
-    "group (GRP303)"))
 def test_rows_emptied_by_mask_truncated_completions_leave_advantage_findings_quiet(healthy: dict[str, Any]):
     assert [(f["code"], f["severity"]) for f in healthy["findings"] if f["code"] in ("GRP302", "GRP303")] == []
 
@@ -361,10 +356,5 @@ def test_the_fast_policy_moves_likely_tokens_by_five_nats_in_its_updates_only(fa
     assert all(step % 2 == 0 and abs(prox - old) < 1e-4 for step, old, prox in hits), hits
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "detector false alarm, reported to the findings owner: core/diagnosis/pairs.py scores re-tokenisation on "
-    "new_logp only and, without versions, counts every token as same-weights; with num_iterations > 1 TRL's "
-    "new_logp carries the updates since sampling while prox_logp (the same-weights partner the pair statistics "
-    "choose) equals old_logp on every flagged token"))
 def test_a_policy_moving_too_far_is_not_read_as_retokenisation(fast: dict[str, Any]):
     assert [(code, severity) for code, severity, _ in loud(fast["findings"]) if code == "GRP108"] == []

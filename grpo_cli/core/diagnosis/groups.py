@@ -68,7 +68,9 @@ def groups_update(
     lengths = lengths_from_cu_seqlens(cu_seqlens).to(device)
     a = torch.where(v_n > 0, v_sum / v_n.clamp_min(1), all_sum / lengths.clamp_min(1))
     r = rewards.to(device=device, dtype=torch.float64)
-    keep = (lengths > 0) & torch.isfinite(a) & torch.isfinite(r)
+    # An empty row (TRL writes a completion emptied by mask_truncated_completions as one) stays in its group, marked
+    # masked out: its advantage was part of the group's normalisation, so the rest alone is not centred.
+    keep = torch.isfinite(r) & (torch.isfinite(a) | (lengths == 0))
     gid = group_id.to(device=device, dtype=torch.int64)
     st = step.to(device=device, dtype=torch.int64) if step is not None else torch.zeros_like(gid)
     key = (st * (1 << 32) + gid).to(torch.float64)
@@ -113,11 +115,12 @@ def groups_compute(state: KeyedState, *, limit: int = 8) -> dict[str, Any]:
     cov = t[:, 6] / n - mr * ma
     spread = vr > 1e-12
     out["diag/groups_n"] = int(t.shape[0])
-    out["diag/groups_spread_n"] = int(spread.sum())
+    out["diag/groups_spread_n"] = int((spread & (t[:, 7] == 0)).sum())
     if t.shape[0] == 0:
         return out
-    flipped = spread & (cov < 0)
     judged = t[:, 7] == 0
+    spread = spread & judged
+    flipped = spread & (cov < 0)
     uncentred = judged & (ma.abs() > 1e-3 + 0.05 * va.sqrt())
     if int(spread.sum()):
         out["diag/adv_sign_flip_frac"] = int(flipped.sum()) / int(spread.sum())

@@ -160,8 +160,10 @@ def pairs_update(
     state.update(pair=pair)
 
     n_seq = cu_seqlens.numel() - 1
-    # Only same-weights tokens: a policy blown up by a learning-rate spike moves stale tokens by e^5 too.
-    retok = same & (y >= math.log(RETOK_LIKELY)) & (x_new <= y - RETOK_GAP)
+    # Only same-weights tokens (a policy blown up by a learning-rate spike moves stale tokens by e^5 too), and against
+    # the closer of new and prox: in a second PPO epoch new_logp has moved on by an update, prox_logp has not.
+    x_retok = x_new if prox_logp is None else torch.maximum(x_new, as_float(prox_logp).to(torch.float64))
+    retok = same & (y >= math.log(RETOK_LIKELY)) & (x_retok <= y - RETOK_GAP)
     per_seq_retok = counts_by(seq, retok, n_seq)
     has_gen = counts_by(seq, same, n_seq) > 0
     flags = [has_gen, per_seq_retok > 0]

@@ -126,7 +126,8 @@ RULES = (
         evidence=("groups/zero_std_frac",),
         thresholds=("ZERO_STD_INFO", "ZERO_STD_WARNING", "ZERO_STD_ERROR"),
         severity=(
-            "`error` from {ZERO_STD_ERROR:%} of groups, `warning` from {ZERO_STD_WARNING:%}, `info` from "
+            "`error` when the 95 % (Wilson, over the dump's groups) interval lies at or above {ZERO_STD_ERROR:%} of "
+            "groups, `warning` above {ZERO_STD_WARNING:%}, `inconclusive` when only the estimate does, `info` from "
             "{ZERO_STD_INFO:%}."
         ),
         meaning=(
