@@ -16,6 +16,17 @@ def _one_torch_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def _one_default_worker(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI's ``--workers`` defaults to the machine's cores, so on CI (2 cores) every command run in-process forks
+    a process pool for its tiny dump: about half of each such call's time, and the figures are the same bytes
+    whatever the count. Tests see the library's default (one worker) instead, on every machine; the pool itself is
+    tested with explicit counts (tests/test_workers.py, --workers in other files), and tests marked
+    ``all_cores`` (the default's own test) keep the machine's count."""
+    if request.node.get_closest_marker("all_cores") is None:
+        monkeypatch.setattr("grpo_cli.engine.parallel.available_cores", lambda: 1)
+
+
 @pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> str:
     """Run a test once per available device (CPU always, CUDA where present)."""
