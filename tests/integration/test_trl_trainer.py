@@ -11,6 +11,8 @@ the ``micro_batch`` column shows the dump holds what TRL averaged.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import re
@@ -72,12 +74,15 @@ def recipe_namespace() -> dict[str, Any]:
 
 
 def analyze(dump: Path) -> dict[str, Any]:
-    """``grpo-cli analyze DUMP --names trl --group-by step --format json`` through the CLI."""
-    cmd = [sys.executable, "-m", "grpo_cli", "analyze", str(dump), "--names", "trl", "--group-by", "step",
-           "--format", "json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    """``grpo-cli analyze DUMP --names trl --group-by step --format json`` through the CLI (in this process:
+    a subprocess would import torch again, seconds per dump on a small machine)."""
+    from grpo_cli.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["analyze", str(dump), "--names", "trl", "--group-by", "step", "--format", "json"])
+    assert code == 0, err.getvalue()
+    return json.loads(out.getvalue())
 
 
 def by_step(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
