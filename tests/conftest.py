@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
 
@@ -14,6 +17,32 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cli_command_built_once() -> Iterator[None]:
+    """``grpo_cli.cli.main`` asks typer for the click command on every call, and typer builds it afresh from the
+    declarations (every option of every command, their type hints evaluated): about 60 ms, more than half of an
+    in-process ``analyze`` of a small dump, paid by hundreds of tests. The command is a pure function of the app,
+    and click keeps no state in it between invocations (each parse makes its own context), so the tests build it
+    once per session; the first call still builds it from the declarations."""
+    import typer.main
+
+    from grpo_cli.cli import app
+
+    build = typer.main.get_command
+    built: dict[int, Any] = {}
+
+    def get_command(typer_instance: typer.Typer) -> Any:
+        if typer_instance is not app:
+            return build(typer_instance)
+        if id(app) not in built:
+            built[id(app)] = build(app)
+        return built[id(app)]
+
+    typer.main.get_command = get_command
+    yield
+    typer.main.get_command = build
 
 
 @pytest.fixture(autouse=True)
