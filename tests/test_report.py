@@ -112,7 +112,21 @@ def parse(html: str) -> StrictParser:
 
 
 @pytest.fixture(scope="module")
-def sample_page(tmp_path_factory):
+def other_process(tmp_path_factory):
+    """``python -m grpo_cli report SAMPLE`` in another process (fresh hash seeds, fresh matplotlib state), started
+    before this process renders the same page (``sample_page``) so that the two run side by side on two cores;
+    ``(process, its page)``. test_under_a_megabyte_and_deterministic_across_processes waits for it."""
+    out = tmp_path_factory.mktemp("again") / "again.html"
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_cli", "report", str(SAMPLE), "-o", str(out), "-q"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield proc, out
+    if proc.poll() is None:  # its test did not run (deselected): do not leave it behind
+        proc.kill()
+    proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def sample_page(tmp_path_factory, other_process):
     out = tmp_path_factory.mktemp("report") / "report.html"
     assert main(["report", str(SAMPLE), "-o", str(out), "-q"]) == 0
     return out.read_bytes()
@@ -187,12 +201,11 @@ def test_page_is_valid_html(sample_page):
         ET.fromstring(svg)  # each is well-formed XML as well
 
 
-def test_under_a_megabyte_and_deterministic_across_processes(sample_page, tmp_path):
+def test_under_a_megabyte_and_deterministic_across_processes(sample_page, other_process):
     # Another process (fresh hash seeds, fresh matplotlib state) writes the same bytes.
-    out = tmp_path / "again.html"
-    proc = subprocess.run([sys.executable, "-m", "grpo_cli", "report", str(SAMPLE), "-o", str(out), "-q"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    proc, out = other_process
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
     assert out.read_bytes() == sample_page
     assert len(sample_page) < 1_000_000
 
