@@ -404,35 +404,57 @@ def test_internal_error_is_one_line_unless_debug(capsys, tmp_path, monkeypatch):
     assert "Traceback" not in err
 
 
-def test_python_m_entry_point_never_shows_a_traceback(tmp_path):
-    """The only subprocess test: the real interpreter exit path of ``python -m grpo_cli``."""
+# An internal error (a bug) inside the entry point `python -m grpo_cli` runs, without and with --debug (one
+# interpreter for both, to spare a torch import: each run ends in the SystemExit that would end the process).
+_INJECT = (
+    "import runpy, sys, grpo_cli.commands.analyze as a\n"
+    "a.analyze = lambda *x, **k: 1 / 0\n"
+    "path = sys.argv[1]\n"
+    "for extra in ([], ['--debug']):\n"
+    "    sys.argv = ['grpo-cli', *extra, 'analyze', path]\n"
+    "    try:\n"
+    "        runpy.run_module('grpo_cli', run_name='__main__')\n"
+    "    except SystemExit as exc:\n"
+    "        print(exc.code)\n"
+    "    print('=====', file=sys.stderr)\n"
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def entry_point_runs(request, tmp_path_factory):
+    """The two interpreters of test_python_m_entry_point_never_shows_a_traceback, started when this module starts
+    so that they run (torch imports included) on the second core while the in-process tests run on the first:
+    ``(missing path, [missing-file run, internal-error run])``, or None when that test is not selected."""
+    name = "test_python_m_entry_point_never_shows_a_traceback"
+    if not any(item.name == name and getattr(item, "module", None) is request.module for item in request.session.items):
+        yield None
+        return
+    tmp = tmp_path_factory.mktemp("entry_point")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 
-    def python(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=120)
+    def python(*args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)
 
-    missing = str(tmp_path / "missing.parquet")
-    result = python("-m", "grpo_cli", "analyze", missing)
-    assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.strip() == f"grpo-cli: error: {missing}: no such file or directory"
-    # An internal error (a bug) inside the entry point `python -m grpo_cli` runs, without and with --debug (one
-    # interpreter for both, to spare a torch import: each run ends in the SystemExit that would end the process).
-    path = _write(tmp_path, "d.parquet", seqs(3))
-    inject = (
-        "import runpy, sys, grpo_cli.commands.analyze as a\n"
-        "a.analyze = lambda *x, **k: 1 / 0\n"
-        "path = sys.argv[1]\n"
-        "for extra in ([], ['--debug']):\n"
-        "    sys.argv = ['grpo-cli', *extra, 'analyze', path]\n"
-        "    try:\n"
-        "        runpy.run_module('grpo_cli', run_name='__main__')\n"
-        "    except SystemExit as exc:\n"
-        "        print(exc.code)\n"
-        "    print('=====', file=sys.stderr)\n"
-    )
-    result = python("-c", inject, str(path))
-    assert result.returncode == 0 and result.stdout.split() == ["2", "2"]
-    plain, debug, _ = result.stderr.split("=====\n")
+    missing = str(tmp / "missing.parquet")
+    procs = [python("-m", "grpo_cli", "analyze", missing),
+             python("-c", _INJECT, str(_write(tmp, "d.parquet", seqs(3))))]
+    yield missing, procs
+    for proc in procs:
+        if proc.poll() is None:  # its test did not run to the end
+            proc.kill()
+        proc.communicate()
+
+
+def test_python_m_entry_point_never_shows_a_traceback(entry_point_runs):
+    """The only subprocess test: the real interpreter exit path of ``python -m grpo_cli``."""
+    missing, (missing_run, injected_run) = entry_point_runs
+    stdout, stderr = missing_run.communicate(timeout=120)
+    assert missing_run.returncode == 2 and stdout == ""
+    assert stderr.strip() == f"grpo-cli: error: {missing}: no such file or directory"
+    stdout, stderr = injected_run.communicate(timeout=120)
+    assert injected_run.returncode == 0 and stdout.split() == ["2", "2"]
+    plain, debug, _ = stderr.split("=====\n")
     assert plain.strip() == ("grpo-cli: internal error: ZeroDivisionError: division by zero "
                              "(rerun with --debug for the traceback)")
     assert "Traceback (most recent call last)" in debug and "ZeroDivisionError: division by zero" in debug

@@ -112,7 +112,21 @@ def parse(html: str) -> StrictParser:
 
 
 @pytest.fixture(scope="module")
-def sample_page(tmp_path_factory):
+def other_process(tmp_path_factory, light_analyze):
+    """``python -m grpo_cli report SAMPLE`` in another process (fresh hash seeds, fresh matplotlib state), started
+    before this process renders the same page (``sample_page``) so that the two run side by side on two cores;
+    ``(process, its page)``. test_under_a_megabyte_and_deterministic_across_processes waits for it."""
+    out = tmp_path_factory.mktemp("again") / "again.html"
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_cli", "report", str(SAMPLE), "-o", str(out), "-q"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield proc, out
+    if proc.poll() is None:  # its test did not run (deselected): do not leave it behind
+        proc.kill()
+    proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def sample_page(tmp_path_factory, other_process):
     out = tmp_path_factory.mktemp("report") / "report.html"
     assert main(["report", str(SAMPLE), "-o", str(out), "-q"]) == 0
     return out.read_bytes()
@@ -202,12 +216,11 @@ def test_page_is_valid_html(sample_page):
         ET.fromstring(svg)  # each is well-formed XML as well
 
 
-def test_under_a_megabyte_and_deterministic_across_processes(sample_page, tmp_path):
+def test_under_a_megabyte_and_deterministic_across_processes(sample_page, other_process):
     # Another process (fresh hash seeds, fresh matplotlib state) writes the same bytes.
-    out = tmp_path / "again.html"
-    proc = subprocess.run([sys.executable, "-m", "grpo_cli", "report", str(SAMPLE), "-o", str(out), "-q"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    proc, out = other_process
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
     assert out.read_bytes() == sample_page
     assert len(sample_page) < 1_000_000
 
@@ -296,10 +309,14 @@ def test_usage_errors(capsys, tmp_path):
     assert not (tmp_path / "r.html").exists()
 
 
-def test_analyze_does_not_import_matplotlib_or_jinja2(tmp_path):
-    path = tmp_path / "d.parquet"
+@pytest.fixture(scope="module")
+def light_analyze(tmp_path_factory):
+    """A fresh interpreter runs analyze and imports the render packages, reporting which of matplotlib and jinja2
+    it loaded. Started with ``other_process`` (before the in-process sample page) so that it runs beside it."""
+    folder = tmp_path_factory.mktemp("light")
+    path = folder / "d.parquet"
     write_sequences(str(path), random_sequences(8, seed=2))
-    args = ["analyze", str(path), "--group-by", "step", "-f", "json", "-o", str(tmp_path / "a.json")]
+    args = ["analyze", str(path), "--group-by", "step", "-f", "json", "-o", str(folder / "a.json")]
     script = (
         "import sys\n"
         "from grpo_cli.cli import main\n"
@@ -309,6 +326,15 @@ def test_analyze_does_not_import_matplotlib_or_jinja2(tmp_path):
         "import grpo_cli.render, grpo_cli.commands.report\n"  # the packages stay light too: their imports are lazy
         "print(sorted(m for m in ('matplotlib', 'jinja2') if m in sys.modules))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split("\n")[:2] == ["0 []", "[]"]
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    yield proc
+    if proc.poll() is None:  # its test did not run
+        proc.kill()
+    proc.communicate()
+
+
+def test_analyze_does_not_import_matplotlib_or_jinja2(light_analyze):
+    stdout, stderr = light_analyze.communicate(timeout=120)
+    assert light_analyze.returncode == 0, stderr
+    assert stdout.split("\n")[:2] == ["0 []", "[]"]

@@ -20,6 +20,15 @@ loaded = ["torch"] if "torch" in sys.modules else []
 sys.stderr.write("LOADED:" + ",".join(loaded) + "\\n")
 raise SystemExit(code)
 """
+_END = "=====\n"
+_PROBE_EACH = """
+import json, sys
+from grpo_cli.cli import main
+for args in json.loads(sys.argv[1]):
+    code = main(args)
+    loaded = ["torch"] if "torch" in sys.modules else []
+    sys.stderr.write(f"CODE:{code}\\nLOADED:{','.join(loaded)}\\n=====\\n")
+"""
 
 
 @pytest.mark.parametrize("args", [["--version"], ["schema"], ["schema", "--preset", "verl", "--format", "json"]])
@@ -46,14 +55,20 @@ def test_convert_from_jsonl_does_not_import_torch(tmp_path):
     source.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for i, extra in enumerate(([], ["--preset", "areal"], ["--on-invalid", "skip"])):
-        target = out / str(i)
-        done = subprocess.run([sys.executable, "-c", _PROBE, "convert", str(source), "-o", str(target), "--from",
-                               "jsonl", *extra], capture_output=True, text=True, env=env, timeout=120, check=False)
-        assert done.returncode == 0, done.stderr
-        assert "LOADED:\n" in done.stderr, done.stderr
-        assert "(2 sequences, 4 tokens)" in done.stderr, done.stderr
-        assert len(list(target.glob("*.parquet"))) == 2
+    runs = [["convert", str(source), "-o", str(out / str(i)), "--from", "jsonl", *extra]
+            for i, extra in enumerate(([], ["--preset", "areal"], ["--on-invalid", "skip"]))]
+    # One interpreter for the three conversions (each interpreter start imports pyarrow again): torch stays out of
+    # sys.modules after each of them, so none of them imported it.
+    done = subprocess.run([sys.executable, "-c", _PROBE_EACH, json.dumps(runs)], capture_output=True, text=True,
+                          env=env, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    reports = done.stderr.split(_END)
+    assert len(reports) == len(runs) + 1, done.stderr
+    for i, report in enumerate(reports[:-1]):
+        assert "CODE:0\n" in report, report
+        assert "LOADED:\n" in report, report
+        assert "(2 sequences, 4 tokens)" in report, report
+        assert len(list((out / str(i)).glob("*.parquet"))) == 2
 
 
 def test_invalid_jsonl_is_refused_without_torch(tmp_path):

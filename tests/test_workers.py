@@ -104,6 +104,7 @@ def test_compare_prox_workers_gives_the_same_bytes(capsys, dump):
     assert two == one
 
 
+@pytest.mark.all_cores
 def test_several_files_and_default_workers(capsys, tmp_path):
     for i in range(3):
         write_sequences(str(tmp_path / f"part-{i}.parquet"), random_sequences(20, seed=30 + i), row_group_size=5)

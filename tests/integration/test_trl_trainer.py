@@ -1,8 +1,9 @@
 """The TRL recipe inside a real TRL ``GRPOTrainer`` (CPU, a tiny model built here, nothing downloaded).
 
 The python block of ``docs/recipes/trl.md`` is executed as printed to get ``DumpingGRPOTrainer``; a 2-layer Llama
-is trained for 8 steps (``num_iterations=2``, ``beta=0.04``, two reward functions) without evaluation, for 4 steps
-with evaluation every 2 steps, and for 2 steps with ``mask_truncated_completions``. Then
+is trained for 4 steps (``num_iterations=2``, ``beta=0.04``, two reward functions: two generations, each trained
+twice) without evaluation, for 4 steps with evaluation every 2 steps, and for 2 steps with
+``mask_truncated_completions``. Then
 ``grpo-cli analyze DUMP --names trl --group-by step --format json``, run through the CLI, must equal
 ``trainer.state.log_history`` for every key both have, to 1e-4 relative: the per-micro-batch keys
 (``clip_ratio/*``, ``kl``, ``entropy``) through the dump's ``micro_batch`` column; a reference computation from
@@ -11,6 +12,8 @@ the ``micro_batch`` column shows the dump holds what TRL averaged.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import re
@@ -37,7 +40,7 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "docs" / "recipes" / "trl.md"
 REL = 1e-4
-STEPS = 8
+STEPS = 4  # two generations: the second iteration of each already clips and has a nonzero kl (as 8 steps did)
 GRAD_ACC = 2  # micro-batches per optimizer step
 PER_DEVICE = 8  # completions per micro-batch
 NUM_GENERATIONS = 4
@@ -72,12 +75,15 @@ def recipe_namespace() -> dict[str, Any]:
 
 
 def analyze(dump: Path) -> dict[str, Any]:
-    """``grpo-cli analyze DUMP --names trl --group-by step --format json`` through the CLI."""
-    cmd = [sys.executable, "-m", "grpo_cli", "analyze", str(dump), "--names", "trl", "--group-by", "step",
-           "--format", "json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    """``grpo-cli analyze DUMP --names trl --group-by step --format json`` through the CLI (in this process:
+    a subprocess would import torch again, seconds per dump on a small machine)."""
+    from grpo_cli.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["analyze", str(dump), "--names", "trl", "--group-by", "step", "--format", "json"])
+    assert code == 0, err.getvalue()
+    return json.loads(out.getvalue())
 
 
 def by_step(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
