@@ -54,7 +54,8 @@ def schema(
 @app.command()
 def convert(
     sources: Annotated[list[str], typer.Argument(help="Source files or directories.")],
-    out_dir: Annotated[Path, typer.Option("--output", "-o", help="Output directory (new or empty).")],
+    out_dir: Annotated[str, typer.Option("--output", "-o", help="Output directory or object-storage prefix "
+                                         "(s3://bucket/prefix, gs://, hdfs://, abfs://; new or empty).")],
     source_format: Annotated[
         str | None,
         typer.Option("--from", **one_of(*CONVERT_FORMATS),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import sys
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -29,6 +28,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from grpo_cli.io.reader import RolloutDataset
+    from grpo_cli.io.storage import Location
 
 __all__ = [
     "DEFAULT_BATCH_TOKENS",
@@ -303,7 +303,7 @@ def given(ctx: typer.Context, name: str) -> bool:
 
 def metadata_defaults(
     ctx: typer.Context,
-    files: Sequence[str | os.PathLike[str]],
+    files: Sequence[Location],
     config: Any,
     *,
     fixed: Collection[str] = (),

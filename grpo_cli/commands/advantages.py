@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
@@ -34,6 +33,7 @@ from grpo_cli.errors import InputError, UsageError
 from grpo_cli.io.parquet_file import ColumnRewriter
 from grpo_cli.io.reader import RolloutDataset
 from grpo_cli.io.schema import COLUMNS, ColumnKind, Layout
+from grpo_cli.io.storage import read_schema
 from grpo_cli.metrics.adv_check import (
     AdvCheckGroup,
     AdvMomentsGroup,
@@ -90,7 +90,7 @@ class _Writer:
 
     def __init__(self, out: Path, dataset: RolloutDataset, column: str, cfg: AdvantageCheckConfig) -> None:
         self.out, self.dataset = out, dataset
-        first = pq.read_schema(dataset.files[0])
+        first = read_schema(dataset.files[0])
         index = first.get_field_index(column)
         old_type = first.field(index).type if index >= 0 else None
         inner = old_type.value_type if old_type is not None and pa.types.is_list(old_type) else old_type
@@ -276,7 +276,7 @@ def _per_token_advantages(dataset: RolloutDataset) -> bool:
     if dataset.layout is Layout.TOKEN_PER_ROW:
         return True
     name = dataset.column_map.get("advantages", "advantages")
-    schema = pq.read_schema(dataset.files[0])
+    schema = read_schema(dataset.files[0])
     dtype = schema.field(schema.get_field_index(name)).type
     return pa.types.is_list(dtype) or pa.types.is_large_list(dtype)
 

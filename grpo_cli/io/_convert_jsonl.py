@@ -31,6 +31,7 @@ from grpo_cli.io._convert_common import (
 )
 from grpo_cli.io.part_writer import SEQUENCE_INPUTS, TOKEN_INPUTS, PartWriter, _alignments, arrow_columns
 from grpo_cli.io.preset_table import Preset
+from grpo_cli.io.storage import DumpPath
 
 __all__: list[str] = []  # private to grpo_cli.io.convert
 
@@ -40,7 +41,7 @@ _INT64 = np.iinfo(np.int64)
 
 
 def _convert_jsonl(
-    files: Sequence[Path], out_dir: Path, result: ConvertResult, column_map: Mapping[str, str] | None,
+    files: Sequence[Path], out_dir: DumpPath, result: ConvertResult, column_map: Mapping[str, str] | None,
     preset: Preset | None, metadata: Mapping[str, Any],
 ) -> None:
     alignment, overrides, window, pad = _conventions(preset)

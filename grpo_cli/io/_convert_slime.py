@@ -12,6 +12,7 @@ import torch
 from grpo_cli.errors import InputError
 from grpo_cli.io._convert_common import ConvertResult, _count_tokens, _writer_error
 from grpo_cli.io._convert_torch import _scalar, _tensor, safe_torch_load
+from grpo_cli.io.storage import DumpPath
 from grpo_cli.io.writer import RolloutWriter
 
 __all__: list[str] = []  # private to grpo_cli.io.convert
@@ -102,7 +103,7 @@ class _SlimeJoin:
 
 
 def _convert_slime(
-    train_files: Sequence[Path], rollout_files: Sequence[Path], out_dir: Path, result: ConvertResult,
+    train_files: Sequence[Path], rollout_files: Sequence[Path], out_dir: DumpPath, result: ConvertResult,
     metadata: Mapping[str, Any],
 ) -> None:
     join = _SlimeJoin(rollout_files) if rollout_files else None

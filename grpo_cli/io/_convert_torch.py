@@ -25,6 +25,7 @@ from grpo_cli.io._convert_common import (
 )
 from grpo_cli.io.part_writer import TOKEN_INPUTS
 from grpo_cli.io.preset_table import Preset
+from grpo_cli.io.storage import DumpPath
 from grpo_cli.io.writer import RolloutWriter
 
 __all__ = ["safe_torch_load"]
@@ -107,7 +108,7 @@ def _scalar(value: Any) -> float | int | None:
 
 
 def _convert_torch_dict(
-    files: Sequence[Path], out_dir: Path, result: ConvertResult, column_map: Mapping[str, str] | None,
+    files: Sequence[Path], out_dir: DumpPath, result: ConvertResult, column_map: Mapping[str, str] | None,
     preset: Preset | None, metadata: Mapping[str, Any],
 ) -> None:
     alignment, overrides, window, pad = _conventions(preset)

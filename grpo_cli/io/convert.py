@@ -49,6 +49,7 @@ from grpo_cli.io._convert_common import Check, CheckFiles, ConvertResult, _check
 from grpo_cli.io._convert_jsonl import _convert_jsonl
 from grpo_cli.io._optimize import optimize_dump
 from grpo_cli.io.preset_table import PRESETS
+from grpo_cli.io.storage import is_uri, remove, to_path
 
 if TYPE_CHECKING:
     from grpo_cli.io._convert_torch import safe_torch_load
@@ -84,7 +85,7 @@ def _validate_written(result: ConvertResult, check: Check | None, check_files: C
             check(RolloutDataset(result.files), result, "converted data")
     except InputError as exc:
         for path in result.files:
-            path.unlink(missing_ok=True)
+            remove(path)
         raise InputError(f"converted data is invalid, nothing written: {exc}") from None
 
 
@@ -128,7 +129,11 @@ def convert(
     """
     if not sources:
         raise UsageError("give at least one source")
-    out = Path(out_dir)
+    out = to_path(out_dir)
+    remote_sources = [str(s) for s in [*sources, *join] if is_uri(s)]
+    if remote_sources and not (optimize and source_format is None):
+        raise UsageError(f"{remote_sources[0]}: convert --from reads local files (only --optimize reads object "
+                         "storage); copy the sources to a local directory first")
     if source_format is None and not optimize and all(
         str(source).endswith((".jsonl", ".ndjson")) for source in sources
     ):

@@ -1,0 +1,500 @@
+"""Object storage: ``s3://``, ``gs://``, ``hdfs://`` and ``abfs://`` paths wherever grpo-cli takes a path.
+
+A URI becomes a :class:`RemotePath`: the path inside a pyarrow filesystem (``pyarrow.fs``; fsspec's, wrapped in
+``pyarrow.fs.PyFileSystem``, where the pyarrow build has none) plus that filesystem, so the reader streams a remote
+file row group by row group exactly as a local one. Local paths stay :class:`pathlib.Path` and take none of these
+code paths. Torch-free.
+
+Credentials and endpoints come from each platform's standard chain (docs/storage.md). For S3 that is the AWS SDK's
+chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, instance roles) plus
+``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` for S3-compatible stores, which the AWS CLI and boto3 honour
+(https://docs.aws.amazon.com/sdkref/latest/guide/feature-ss-endpoints.html) but pyarrow's ``S3FileSystem`` does not
+read by itself, so they are passed as its ``endpoint_override``.
+
+Every metadata request (listing, a file's footer, a commit) is retried on transient errors with bounded exponential
+backoff (:func:`retrying`); the data requests of S3 are retried by the AWS SDK's standard strategy, set to the same
+number of attempts. Errors become one :class:`~grpo_cli.errors.InputError` line naming the URI and what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from grpo_cli.errors import InputError
+
+__all__ = [
+    "REMOTE_READ_BUFFER_BYTES",
+    "SCHEMES",
+    "DumpPath",
+    "Location",
+    "RemotePath",
+    "describe",
+    "expand_remote",
+    "holds_parquet",
+    "is_uri",
+    "open_parquet",
+    "read_schema",
+    "read_table",
+    "remote_path",
+    "remove",
+    "require_bucket",
+    "retry_attempts",
+    "retrying",
+    "to_path",
+]
+
+SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
+"""URI schemes read and written through a filesystem (``file://`` is a local path)."""
+
+REMOTE_READ_BUFFER_BYTES = 4 << 20
+"""Bytes fetched per request while decoding a remote file: each read is a round trip (tens of ms to S3), so bigger
+than the local 1 MiB buffer, yet still a bounded buffer per column being decoded, never the whole column chunk."""
+
+DEFAULT_RETRY_ATTEMPTS = 4
+"""Attempts of one request on a transient error (``GRPO_CLI_RETRIES`` overrides it); backoff 0.25 s, doubling, at
+most :data:`MAX_BACKOFF_S` between attempts, so an unreachable endpoint fails within seconds."""
+MAX_BACKOFF_S = 2.0
+
+_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+_T = TypeVar("_T")
+
+
+def is_uri(text: str | os.PathLike[str]) -> bool:
+    """Whether ``text`` is a ``scheme://`` URI other than ``file://`` (a local path)."""
+    match = _URI.match(str(text))
+    return match is not None and match.group(1).lower() != "file"
+
+
+@dataclass(frozen=True)
+class RemotePath:
+    """One object (or prefix) in object storage: its URI and where it is in its pyarrow filesystem.
+
+    ``str()`` is the URI, as users wrote it; it pickles with its filesystem (pyarrow's own pickling keeps the
+    endpoint and options, never credentials taken from the chain), so a Ray task or a ``--workers`` process opens it
+    with its own credentials chain.
+    """
+
+    uri: str
+    path: str
+    """The object's path in :attr:`fs` (``bucket/key`` for S3 and GCS, ``/dir/file`` for HDFS)."""
+    fs: pafs.FileSystem = field(compare=False, repr=False)
+
+    def __str__(self) -> str:
+        return self.uri
+
+    @property
+    def scheme(self) -> str:
+        return self.uri.split("://", 1)[0].lower()
+
+    @property
+    def name(self) -> str:
+        """The last component (``part-step000000-rank000.parquet``)."""
+        return self.uri.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> RemotePath:
+        return RemotePath(self.uri.rstrip("/").rsplit("/", 1)[0], self.path.rstrip("/").rsplit("/", 1)[0], self.fs)
+
+    def __truediv__(self, name: str | os.PathLike[str]) -> RemotePath:
+        name = Path(name).as_posix() if not isinstance(name, str) else name
+        return RemotePath(f"{self.uri.rstrip('/')}/{name}", f"{self.path.rstrip('/')}/{name}", self.fs)
+
+    def with_name(self, name: str) -> RemotePath:
+        return self.parent / name
+
+    def resolve(self) -> RemotePath:
+        """Itself (a URI is already absolute); lets code that compares resolved paths take either kind."""
+        return self
+
+
+DumpPath = Path | RemotePath
+"""A dump file: a local path or an object in object storage."""
+
+Location = str | os.PathLike[str] | RemotePath
+"""What the functions taking a path accept: a local path, a URI string, or a :class:`RemotePath`."""
+
+
+def retry_attempts() -> int:
+    """Attempts per request: ``GRPO_CLI_RETRIES`` when set to an integer >= 1, else :data:`DEFAULT_RETRY_ATTEMPTS`."""
+    try:
+        return max(1, int(os.environ.get("GRPO_CLI_RETRIES", DEFAULT_RETRY_ATTEMPTS)))
+    except ValueError:
+        return DEFAULT_RETRY_ATTEMPTS
+
+
+# -- filesystems ------------------------------------------------------------------------------------------------------
+def _s3_options() -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=retry_attempts()),
+        # A dead endpoint should fail in seconds, not after the SDK's minutes-long defaults.
+        "connect_timeout": 5.0,
+        "request_timeout": 60.0,
+    }
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        options["endpoint_override"] = endpoint
+        # S3-compatible stores rarely care about the region, but the request signature names one; without AWS_REGION
+        # the SDK would probe the instance metadata service for it.
+        options["region"] = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    return options
+
+
+@functools.lru_cache(maxsize=32)
+def _filesystem(scheme: str, authority: str, env: tuple[tuple[str, str], ...]) -> pafs.FileSystem:
+    # ``env`` is the relevant environment, part of the cache key so a changed endpoint or key is picked up.
+    del env
+    if scheme == "s3":
+        return pafs.S3FileSystem(**_s3_options())
+    uri = f"{scheme}://{authority}/"
+    try:
+        fs, _ = pafs.FileSystem.from_uri(uri)
+        return fs
+    except (pa.ArrowException, OSError, ValueError) as native:
+        try:  # e.g. abfs:// in a pyarrow built without Azure: fsspec's (adlfs, gcsfs) through pyarrow
+            import fsspec
+
+            handler = pafs.FSSpecHandler(fsspec.filesystem(scheme))
+            return pafs.PyFileSystem(handler)
+        except (ImportError, ValueError) as exc:
+            raise InputError(
+                f"this pyarrow cannot open {scheme}:// ({_first_line(native)}) and fsspec has no driver for it "
+                f"({_first_line(exc)}); install pyarrow with {scheme} support or its fsspec package (docs/storage.md)",
+                file=uri,
+            ) from None
+
+
+_ENV_KEYS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID",
+             "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "GRPO_CLI_RETRIES")
+
+
+def remote_path(uri: str) -> RemotePath:
+    """The :class:`RemotePath` of ``uri`` (``s3://bucket/key``, ``gs://…``, ``hdfs://host:port/path``, ``abfs://…``).
+
+    Raises:
+        InputError: an unsupported scheme, or a URI without a bucket.
+    """
+    match = _URI.match(uri)
+    if match is None:
+        raise InputError("not a URI", file=uri)
+    scheme, rest = match.group(1).lower(), match.group(2)
+    if scheme not in SCHEMES:
+        raise InputError(f"unsupported scheme '{scheme}://' (grpo-cli reads {', '.join(SCHEMES)} and local paths)",
+                         file=uri)
+    authority, _, key = rest.partition("/")
+    if not authority:
+        raise InputError("no bucket or host in the URI (expected scheme://bucket/key)", file=uri)
+    env = tuple((k, os.environ.get(k, "")) for k in _ENV_KEYS)
+    fs = _filesystem(scheme, authority, env)
+    if scheme in ("hdfs", "viewfs"):
+        path = f"/{key}"  # the host names the cluster; the path is absolute in it
+    elif isinstance(fs, pafs.PyFileSystem):
+        path = rest  # fsspec drivers take the container or bucket as the first component, as pyarrow's do
+    elif scheme in ("abfs", "abfss"):
+        # abfs://container@account.dfs.core.windows.net/path: pyarrow's AzureFileSystem addresses container/path
+        path = f"{authority.split('@', 1)[0]}/{key}"
+    else:
+        path = rest
+    return RemotePath(uri, path.rstrip("/") if key else path, fs)
+
+
+def to_path(location: Location) -> DumpPath:
+    """A URI as a :class:`RemotePath`, anything else as a :class:`~pathlib.Path`."""
+    if isinstance(location, RemotePath):
+        return location
+    text = os.fspath(location) if not isinstance(location, str) else location
+    if is_uri(text):
+        return remote_path(text)
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    return Path(text)
+
+
+# -- errors and retries ------------------------------------------------------------------------------------------------
+_TRANSIENT = re.compile(
+    r"NETWORK_CONNECTION|curlCode|Could(?: not|n't) connect|timed? ?out|TIMEOUT|SLOW_DOWN|THROTTL|Throttl|"
+    r"SERVICE_UNAVAILABLE|Service Unavailable|INTERNAL_FAILURE|InternalError|RequestTimeTooSkewed|"
+    r"HTTP status 5\d\d|response code 5\d\d|Connection reset|Broken pipe|temporarily",
+)
+_DENIED = re.compile(r"ACCESS_DENIED|AccessDenied|SIGNATURE_DOES_NOT_MATCH|INVALID_ACCESS_KEY_ID|"
+                     r"InvalidAccessKeyId|Forbidden|403|UNRECOGNIZED_CLIENT|ExpiredToken|credentials?\b",
+                     re.IGNORECASE)
+_NO_BUCKET = re.compile(r"NO_SUCH_BUCKET|NoSuchBucket|bucket does not exist", re.IGNORECASE)
+_UNREACHABLE = re.compile(r"NETWORK_CONNECTION|curlCode|Could(?: not|n't) (?:connect|resolve)|timed? ?out",
+                          re.IGNORECASE)
+
+
+def _is_transient(exc: BaseException) -> bool:
+    return isinstance(exc, (OSError, pa.ArrowException)) and not isinstance(exc, FileNotFoundError) and bool(
+        _TRANSIENT.search(str(exc))
+    )
+
+
+def retrying(call: Callable[[], _T], *, attempts: int | None = None, sleep: Callable[[float], None] = time.sleep) -> _T:
+    """``call()``, retried on a transient error (network, throttling, 5xx) with bounded exponential backoff.
+
+    Any other error, or the last attempt's, is raised as it is.
+    """
+    tries = retry_attempts() if attempts is None else max(1, attempts)
+    for attempt in range(tries):
+        try:
+            return call()
+        except (OSError, pa.ArrowException) as exc:
+            if attempt + 1 >= tries or not _is_transient(exc):
+                raise
+            sleep(min(MAX_BACKOFF_S, 0.25 * 2**attempt))
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _endpoint(path: RemotePath) -> str:
+    if path.scheme == "s3":
+        return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "the AWS S3 endpoint"
+    return f"the {path.scheme}:// endpoint"
+
+
+_CREDENTIALS = {
+    "s3": "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)",
+    "gs": "GOOGLE_APPLICATION_CREDENTIALS (or gcloud auth application-default login)",
+    "gcs": "GOOGLE_APPLICATION_CREDENTIALS (or gcloud auth application-default login)",
+    "hdfs": "your Kerberos ticket (kinit) and HADOOP_USER_NAME",
+    "viewfs": "your Kerberos ticket (kinit) and HADOOP_USER_NAME",
+    "abfs": "AZURE_STORAGE_ACCOUNT_KEY (or az login)",
+    "abfss": "AZURE_STORAGE_ACCOUNT_KEY (or az login)",
+}
+
+
+def describe(exc: BaseException, path: RemotePath) -> str:
+    """One line saying what went wrong with ``path`` and what to do (the store's own words after it)."""
+    text = str(exc)
+    detail = _first_line(exc)
+    if _NO_BUCKET.search(text):
+        bucket = path.path.split("/", 1)[0]
+        return f"no such bucket '{bucket}': check the name (and the endpoint: {_endpoint(path)})"
+    if _UNREACHABLE.search(text):
+        hint = " (AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3)" if path.scheme == "s3" else ""
+        return f"cannot reach {_endpoint(path)}{hint}: check the address and the network ({_short(detail)})"
+    if _DENIED.search(text):
+        return (f"access denied: the credentials were refused; check {_CREDENTIALS.get(path.scheme, 'them')} "
+                f"({_short(detail)})")
+    if isinstance(exc, FileNotFoundError):
+        return "no such object or prefix: check the path"
+    return _short(detail)
+
+
+def _short(text: str) -> str:
+    # The SDK's messages end in request ids: the user needs the error's name, not the id.
+    return re.sub(r"\s*\(Request ID: [^)]*\)", "", text).strip()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def failed(exc: BaseException, path: RemotePath, doing: str = "") -> InputError:
+    """The :class:`InputError` for ``exc`` met while ``doing`` something with ``path``."""
+    prefix = f"{doing}: " if doing else ""
+    return InputError(prefix + describe(exc, path), file=path.uri)
+
+
+# -- listing ---------------------------------------------------------------------------------------------------------
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    """``glob.glob(recursive=True)``'s rules as a regex over a whole key: ``*``/``?``/``[…]`` stay inside one
+    component, ``**`` spans any number of them."""
+    out = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:[^/]+/)*")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[":
+            end = pattern.find("]", i + 2)
+            if end < 0:
+                out.append(re.escape("["))
+                i += 1
+                continue
+            body = pattern[i + 1:end]
+            out.append("[^" + re.escape(body[1:]) + "]" if body.startswith("!") else "[" + re.escape(body) + "]")
+            i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def _list(base: RemotePath, shown: RemotePath | None = None) -> list[pafs.FileInfo]:
+    """Everything under ``base`` (recursive); errors name ``shown`` (what the user wrote), default ``base``."""
+    try:
+        return retrying(lambda: base.fs.get_file_info(pafs.FileSelector(base.path, recursive=True)))
+    except FileNotFoundError:
+        return []
+    except (OSError, pa.ArrowException) as exc:
+        raise failed(exc, shown or base) from None
+
+
+def _info(path: RemotePath) -> pafs.FileInfo:
+    try:
+        return retrying(lambda: path.fs.get_file_info(path.path))
+    except (OSError, pa.ArrowException) as exc:
+        raise failed(exc, path) from None
+
+
+def _missing(path: RemotePath) -> InputError:
+    """Why ``path`` does not exist: its bucket (S3, GCS) may be missing too."""
+    if path.scheme in ("s3", "gs", "gcs"):
+        bucket = path.path.split("/", 1)[0]
+        root = RemotePath(f"{path.scheme}://{bucket}", bucket, path.fs)
+        if _info(root).type == pafs.FileType.NotFound:
+            return InputError(f"no such bucket '{bucket}': check the name (and the endpoint: {_endpoint(path)})",
+                              file=path.uri)
+    return InputError("no such object or prefix: check the path (a prefix must hold .parquet objects)",
+                      file=path.uri)
+
+
+def _parquet_under(prefix: RemotePath) -> list[RemotePath]:
+    out = []
+    for info in _list(prefix):
+        if info.type == pafs.FileType.File and info.path.endswith(".parquet"):
+            relative = info.path[len(prefix.path):].lstrip("/")
+            out.append(prefix / relative)
+    return out
+
+
+def holds_parquet(prefix: RemotePath) -> bool:
+    """Whether any ``*.parquet`` object exists under ``prefix`` (an output must not mix into an existing dump)."""
+    return bool(_parquet_under(prefix))
+
+
+def expand_remote(text: str) -> list[RemotePath]:
+    """A URI → its objects: an object itself, every ``*.parquet`` under a prefix (recursive), or what a glob
+    matches (``*``, ``?``, ``[…]`` within a component, ``**`` across them), as local paths are expanded.
+
+    Raises:
+        InputError: a missing bucket, object or prefix; a prefix or pattern without ``.parquet`` objects; refused
+            credentials or an unreachable endpoint (one line naming the URI and what to do).
+    """
+    path = remote_path(text)
+    if any(ch in path.path for ch in "*?["):
+        head, _, _ = path.path.partition(next(ch for ch in path.path if ch in "*?["))
+        base_path = head.rsplit("/", 1)[0] if "/" in head else head
+        uri_head = path.uri[: len(path.uri) - len(path.path)] if path.uri.endswith(path.path) else None
+        base = RemotePath(f"{uri_head}{base_path}" if uri_head is not None else path.uri, base_path, path.fs)
+        pattern = _glob_regex(path.path)
+        found: list[RemotePath] = []
+        for info in _list(base, path):
+            if pattern.match(info.path):
+                relative = info.path[len(base_path):].lstrip("/")
+                match = base / relative
+                if info.type == pafs.FileType.File:
+                    found.append(match)
+                elif info.type == pafs.FileType.Directory:
+                    found.extend(_parquet_under(match))
+        if not found:
+            if _info(base).type == pafs.FileType.NotFound:
+                missing = _missing(base)
+                raise InputError(missing.reason, file=text)
+            raise InputError("no object matches this pattern", file=text)
+        return found
+    info = _info(path)
+    if info.type == pafs.FileType.File:
+        return [path]
+    if info.type == pafs.FileType.NotFound:
+        raise _missing(path)
+    found = _parquet_under(path)
+    if not found:
+        raise InputError("prefix holds no .parquet objects", file=text)
+    return found
+
+
+def _remote_or_local(path: Location) -> str | os.PathLike[str] | RemotePath:
+    # A URI string becomes a RemotePath; a local path is handed to pyarrow exactly as before.
+    return remote_path(path) if isinstance(path, str) and is_uri(path) else path
+
+
+# -- reading -----------------------------------------------------------------------------------------------------------
+def open_parquet(path: Location, **options: Any) -> pq.ParquetFile:
+    """``pq.ParquetFile`` of a local path (``options`` as given) or of a remote object (its footer read with
+    retries; ``memory_map`` dropped and ``buffer_size`` raised to :data:`REMOTE_READ_BUFFER_BYTES`).
+
+    Raises:
+        InputError: for a remote object, what :func:`describe` says; local errors propagate unchanged.
+    """
+    path = _remote_or_local(path)
+    if not isinstance(path, RemotePath):
+        return pq.ParquetFile(path, **options)
+    options.pop("memory_map", None)
+    if options.get("buffer_size"):
+        options["buffer_size"] = max(options["buffer_size"], REMOTE_READ_BUFFER_BYTES)
+    try:
+        return retrying(lambda: pq.ParquetFile(path.path, filesystem=path.fs, **options))
+    except FileNotFoundError as exc:
+        raise failed(exc, path) from None
+    except (OSError, pa.ArrowException) as exc:
+        if isinstance(exc, pa.ArrowInvalid):
+            raise InputError(f"not a readable Parquet file ({_first_line(exc)})", file=path.uri) from None
+        raise failed(exc, path) from None
+
+
+def read_schema(path: Location) -> pa.Schema:
+    """``pq.read_schema`` of a local path or a remote object (with its key-value metadata)."""
+    path = _remote_or_local(path)
+    if not isinstance(path, RemotePath):
+        return pq.read_schema(path)
+    return open_parquet(path).schema_arrow
+
+
+def read_table(path: Location, columns: Iterable[str]) -> pa.Table:
+    """``pq.read_table(path, columns=…)``: a few whole columns (``--group-by``'s key values)."""
+    path = _remote_or_local(path)
+    if not isinstance(path, RemotePath):
+        return pq.read_table(path, columns=list(columns))
+    return open_parquet(path).read(columns=list(columns))
+
+
+# -- writing -----------------------------------------------------------------------------------------------------------
+def remove(path: DumpPath) -> None:
+    """Delete ``path`` if it exists, quietly (a temporary file after a failure: the original error matters more)."""
+    if not isinstance(path, RemotePath):
+        path.unlink(missing_ok=True)
+        return
+    with contextlib.suppress(OSError, pa.ArrowException):
+        retrying(lambda: path.fs.delete_file(path.path))
+
+
+def require_bucket(directory: RemotePath) -> None:
+    """Fail now, not at the first commit, when ``directory``'s bucket (S3, GCS) does not exist or cannot be reached.
+
+    Raises:
+        InputError: a missing bucket, refused credentials, an unreachable endpoint.
+    """
+    if directory.scheme in ("hdfs", "viewfs"):
+        try:
+            retrying(lambda: directory.fs.create_dir(directory.path, recursive=True))
+        except (OSError, pa.ArrowException) as exc:
+            raise failed(exc, directory, "cannot create") from None
+        return
+    if directory.scheme in ("s3", "gs", "gcs"):
+        bucket = directory.path.split("/", 1)[0]
+        if _info(RemotePath(f"{directory.scheme}://{bucket}", bucket, directory.fs)).type == pafs.FileType.NotFound:
+            raise InputError(f"no such bucket '{bucket}': create it first, or check the name (and the endpoint: "
+                             f"{_endpoint(directory)})", file=directory.uri)
