@@ -13,6 +13,7 @@ from grpo_cli.cli._options import (
     DEFAULT_BATCH_TOKENS,
     BatchTokensOpt,
     DeviceOpt,
+    ExecutorOpt,
     FormatOpt,
     MapOpt,
     OnInvalidOpt,
@@ -27,6 +28,7 @@ from grpo_cli.cli._options import (
     one_of,
     open_input,
     resolve_workers,
+    streaming,
     warn_skipped,
     write_result,
 )
@@ -167,6 +169,7 @@ def advantages(
     batch_tokens: BatchTokensOpt = DEFAULT_BATCH_TOKENS,
     device: DeviceOpt = "cpu",
     workers: WorkersOpt = None,
+    executor: ExecutorOpt = "local",
     on_invalid: OnInvalidOpt = "error",
     output_format: FormatOpt = "table",
     output: OutputOpt = None,
@@ -190,7 +193,8 @@ def advantages(
     )
     config.validate()
     dataset = open_input(paths, column_map, preset)
-    result = check_advantages(dataset, config, write=write, workers=resolve_workers(workers, device))
+    with streaming(dataset, True, executor):
+        result = check_advantages(dataset, config, write=write, workers=resolve_workers(workers, device))
     warn_skipped(result.metrics)
     if write is not None and not quiet:
         typer.echo(f"wrote {write}", err=True)

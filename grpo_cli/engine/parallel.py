@@ -12,6 +12,8 @@ Three ways to run the same units:
 - in process (``workers == 1``, or a dump of one unit);
 - ``--workers N``: a process pool (``fork`` on Linux for CPU runs, ``spawn`` for CUDA or elsewhere); workers take
   units in order as they become free, so big and small row groups balance themselves;
+- ``--executor ray``: every unit is a Ray task on the cluster (:mod:`grpo_cli.engine.ray_executor`), the results
+  merged in unit order as the pool's are;
 - ``torchrun``: every rank takes a contiguous range of units balanced by byte size, folds it as above, and the
   ranks' states are all-reduced over the default process group (gloo for CPU tensors, NCCL for CUDA).
   ``--group-by`` keys are unioned across ranks first. Float sums then combine in a rank-dependent tree and agree
@@ -31,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 import multiprocessing as mp
 import os
@@ -56,6 +59,7 @@ from grpo_cli.io.reader import RolloutDataset, Shard
 __all__ = [
     "MAX_COMPUTE_THREADS",
     "UNIT_BATCHES",
+    "EXECUTORS",
     "DistributedEnv",
     "accumulate",
     "all_reduce_accumulator",
@@ -66,11 +70,35 @@ __all__ = [
     "one_torch_thread",
     "plan_units",
     "split_by_bytes",
+    "use_executor",
 ]
 
 MAX_COMPUTE_THREADS = 4
 """Metric threads per process at most: the groups of a batch are the tasks, and the largest is about a fifth of
 the work, so more threads would mostly wait at the end of each batch."""
+
+EXECUTORS = ("local", "ray")
+"""Where the units run: this machine's processes (``--workers``), or the tasks of a Ray cluster."""
+_EXECUTOR: contextvars.ContextVar[str] = contextvars.ContextVar("grpo_cli_executor", default="local")
+
+
+@contextlib.contextmanager
+def use_executor(executor: str) -> Iterator[None]:
+    """Run every :func:`accumulate` inside the block on ``executor`` (``"local"`` or ``"ray"``): how the CLI's
+    ``--executor`` reaches the commands, and how a library caller sends ``grpo_cli.analyze`` to its Ray cluster.
+
+    Example:
+        >>> with use_executor("ray"):  # doctest: +SKIP
+        ...     result = analyze(dataset, AnalyzeConfig())
+    """
+    if executor not in EXECUTORS:
+        raise UsageError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    token = _EXECUTOR.set(executor)
+    try:
+        yield
+    finally:
+        _EXECUTOR.reset(token)
+
 
 UNIT_BATCHES = 4
 """A unit holds at least this many ``--batch-tokens`` budgets of tokens (fewer, larger units merge less; more,
@@ -340,6 +368,10 @@ def _fold(
     device: torch.device,
     progress: Callable[[int], None] | None,
 ) -> Accumulator:
+    if _EXECUTOR.get() == "ray":
+        from grpo_cli.engine.ray_executor import fold_on_ray
+
+        return fold_on_ray(dataset, config, groups, units, device, progress)
     # --workers counts cores: processes take whole units, and the cores a process is left with compute its groups
     # in threads (a single-row-group dump still uses every core for the metrics).
     processes = max(1, min(workers, len(units)))
@@ -384,6 +416,8 @@ def accumulate(
     units = plan_units(dataset.shards(), UNIT_BATCHES * config.batch_tokens)
     device = _device_for(config)
     env = distributed_env()
+    if env is not None and _EXECUTOR.get() == "ray":
+        raise UsageError("--executor ray under torchrun: use one of the two (each already spreads the row groups)")
     if env is None:
         with one_torch_thread(device):
             acc = _fold(dataset, config, groups, units, workers, device, progress)
