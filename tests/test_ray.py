@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import seaweed
 from reference import random_sequences, write_sequences
 
 from grpo_cli.cli import main
@@ -20,7 +19,6 @@ from grpo_cli.metrics import AnalyzeConfig
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'grpo-cli[ray]')")
 
 BATCH = 40  # tokens per batch: units of 4 * 40 tokens, many per dump
-s3_server = seaweed.s3_server
 
 
 @pytest.fixture(scope="module")
