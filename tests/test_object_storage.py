@@ -140,6 +140,17 @@ def test_convert_optimize_from_and_to_object_storage(s3_env, capsys, tmp_path, l
     assert code == 2 and "already holds .parquet objects" in err and err.count("\n") == 1
 
 
+def test_advantages_write_to_object_storage(s3_env, capsys, tmp_path, local_dump, remote_dump):
+    options = ["--estimator", "grpo", "--workers", "1", "-q"]
+    code, _, err = run(capsys, "advantages", local_dump, *options, "--write", tmp_path / "fixed.parquet")
+    assert code in (0, 1), err
+    remote = run(capsys, "advantages", f"{remote_dump}/", *options, "--write", "s3://rollouts/fixed/fixed.parquet")
+    assert remote[0] == code, remote[2]
+    assert s3_env.keys("fixed") == ["fixed/fixed.parquet"]
+    with s3_env.fs().open_input_file(f"{BUCKET}/fixed/fixed.parquet") as f:
+        assert f.read() == (tmp_path / "fixed.parquet").read_bytes()
+
+
 _KILLED_WRITER = """
 import sys, time
 import numpy as np, torch

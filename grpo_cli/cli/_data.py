@@ -117,7 +117,8 @@ def advantages(
         bool, typer.Option("--fail-on-mismatch", help="Exit 1 when any sequence disagrees beyond the tolerance.")
     ] = False,
     write: Annotated[
-        Path | None, typer.Option("--write", help="Also write the dump with the recomputed advantages here.")
+        str | None, typer.Option("--write", help="Also write the dump with the recomputed advantages to this Parquet "
+                                 "file (or object, s3://bucket/key.parquet).")
     ] = None,
     valid_only: Annotated[
         bool, typer.Option("--valid-only", help="Compare loss-mask tokens only (default: every token of a "
@@ -180,6 +181,7 @@ def advantages(
     """Recompute advantages from the rewards and compare them with the dump's; on a mismatch, say which common
     variant of the estimator matches (exit 1 with --fail-on-mismatch)."""
     from grpo_cli.commands.advantages import AdvantageCheckConfig, check_advantages, parse_norm_spec
+    from grpo_cli.io.storage import to_path
     from grpo_cli.render.advantages import mismatch_line, render_advantages_table
     from grpo_cli.render.documents import json_document, to_csv
 
@@ -194,7 +196,8 @@ def advantages(
     config.validate()
     dataset = open_input(paths, column_map, preset)
     with streaming(dataset, True, executor):
-        result = check_advantages(dataset, config, write=write, workers=resolve_workers(workers, device))
+        result = check_advantages(dataset, config, write=None if write is None else to_path(write),
+                                  workers=resolve_workers(workers, device))
     warn_skipped(result.metrics)
     if write is not None and not quiet:
         typer.echo(f"wrote {write}", err=True)

@@ -19,7 +19,6 @@ import copy
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, cast
 
 import pyarrow as pa
@@ -33,7 +32,7 @@ from grpo_cli.errors import InputError, UsageError
 from grpo_cli.io.parquet_file import ColumnRewriter
 from grpo_cli.io.reader import RolloutDataset
 from grpo_cli.io.schema import COLUMNS, ColumnKind, Layout
-from grpo_cli.io.storage import read_schema
+from grpo_cli.io.storage import DumpPath, read_schema
 from grpo_cli.metrics.adv_check import (
     AdvCheckGroup,
     AdvMomentsGroup,
@@ -88,7 +87,7 @@ class _Writer:
     """Writes every input row, in order, to one Parquet file with the recomputed ``advantages`` column (through the
     io layer's :class:`~grpo_cli.io.parquet_file.ColumnRewriter`)."""
 
-    def __init__(self, out: Path, dataset: RolloutDataset, column: str, cfg: AdvantageCheckConfig) -> None:
+    def __init__(self, out: DumpPath, dataset: RolloutDataset, column: str, cfg: AdvantageCheckConfig) -> None:
         self.out, self.dataset = out, dataset
         first = read_schema(dataset.files[0])
         index = first.get_field_index(column)
@@ -145,7 +144,7 @@ def _resolve_batch_by(dataset: RolloutDataset, cfg: AdvantageCheckConfig) -> str
     return choice
 
 
-def _require(dataset: RolloutDataset, cfg: AdvantageCheckConfig, write: Path | None) -> None:
+def _require(dataset: RolloutDataset, cfg: AdvantageCheckConfig, write: DumpPath | None) -> None:
     have = dataset.columns
     need = {"rewards": "every estimator recomputes advantages from the rewards"}
     if cfg.estimator in PER_SEQUENCE_ESTIMATORS:
@@ -167,7 +166,7 @@ def check_advantages(
     dataset: RolloutDataset,
     cfg: AdvantageCheckConfig,
     *,
-    write: Path | None = None,
+    write: DumpPath | None = None,
     workers: int = 1,
     progress: Callable[[int], None] | None = None,
 ) -> AdvantageCheckResult:
@@ -252,7 +251,7 @@ def check_advantages(
     )
 
 
-def _write(dataset: RolloutDataset, cfg: AdvantageCheckConfig, recompute: Recompute, out: Path) -> None:
+def _write(dataset: RolloutDataset, cfg: AdvantageCheckConfig, recompute: Recompute, out: DumpPath) -> None:
     """Write every row of the dump, in order, with the recomputed ``advantages`` (one sequential pass)."""
     device = torch.device(cfg.device)
     writer = _Writer(out, dataset, dataset.column_map.get("advantages", "advantages"), cfg)
