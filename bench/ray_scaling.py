@@ -37,6 +37,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=float, default=4e6)
     parser.add_argument("--row-group-tokens", type=float, default=262144)
+    parser.add_argument("--batch-tokens", type=int, default=65536, help="units of 4 batches: 16 units by default")
+    parser.add_argument("--rounds", type=int, default=3, help="runs per setting; the median is reported")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -57,25 +59,30 @@ def main() -> None:
     local = work / "dump"
     n_tokens = write_dump(local / "part-0.parquet", int(args.tokens), row_group_tokens=int(args.row_group_tokens))
     server = seaweed.start(work)
-    results: dict[str, object] = {"tokens": n_tokens, "cores": os.cpu_count()}
+    results: dict[str, object] = {"tokens": n_tokens, "cores": os.cpu_count(), "rounds": args.rounds,
+                                  "batch_tokens": args.batch_tokens, "load_before": os.getloadavg()[0]}
     try:
         os.environ.update(server.env)
         uri = server.upload(local, "bench/dump")
-        config = AnalyzeConfig()
+        config = AnalyzeConfig(batch_tokens=args.batch_tokens)
         reference = analyze(RolloutDataset([local]), config).metrics
 
         def run(paths: list[str], executor: str) -> float:
-            with use_executor(executor):
-                seconds, result = _timed(lambda: analyze(RolloutDataset(paths), config))
-            assert result.metrics == reference, "figures differ from one process"
-            return seconds
+            times = []
+            for _ in range(args.rounds):
+                with use_executor(executor):
+                    seconds, result = _timed(lambda: analyze(RolloutDataset(paths), config))
+                assert result.metrics == reference, "figures differ from one process"
+                times.append(seconds)
+            return statistics.median(times)
 
         results["local_1_process_s"] = run([str(local)], "local")
         results["s3_1_process_s"] = run([f"{uri}/"], "local")
         for cpus in (1, 2):
             start, _ = _timed(lambda c=cpus: ray.init(num_cpus=c, include_dashboard=False, logging_level="ERROR",
                                                       log_to_driver=False))
-            run([str(local)], "ray")  # the first run starts the workers (imports torch)
+            with use_executor("ray"):  # the first run starts the workers (imports torch)
+                analyze(RolloutDataset([str(local)]), config)
             results[f"ray_{cpus}cpu_start_s"] = start
             results[f"ray_{cpus}cpu_local_s"] = run([str(local)], "ray")
             results[f"ray_{cpus}cpu_s3_s"] = run([f"{uri}/"], "ray")
@@ -104,6 +111,7 @@ def main() -> None:
         results["accumulator_bytes"] = len(blobs[0])
     finally:
         seaweed.stop(server)
+    results["load_after"] = os.getloadavg()[0]
     print(json.dumps(results, indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pytest
 import seaweed
 import torch
@@ -23,7 +25,8 @@ from seaweed import BUCKET, S3Server
 from grpo_cli.cli import main
 from grpo_cli.errors import InputError
 from grpo_cli.io import RolloutDataset, RolloutWriter, storage
-from grpo_cli.io.storage import RemotePath, expand_remote, retrying
+from grpo_cli.io.parquet_file import ParquetFileOut
+from grpo_cli.io.storage import RemotePath, expand_remote, read_table, retrying
 
 ROOT = Path(__file__).resolve().parent.parent
 s3_env = seaweed.s3_env  # the fixture (s3_server comes from conftest.py)
@@ -191,13 +194,17 @@ def test_a_killed_writer_leaves_no_visible_part_and_a_new_one_recovers(s3_env, c
 
 
 def test_a_failed_write_removes_its_temporary_object(s3_env):
-    writer = RolloutWriter("s3://rollouts/failing", row_group_tokens=10)
-    writer.add(step=0, new_logp=[torch.full((20,), -0.5)])  # a row group is streaming to the temporary key
-    assert writer._out is not None and isinstance(writer._out.tmp, RemotePath)
-    with pytest.raises(ValueError, match="differ"):
-        writer.add(step=0, new_logp=[torch.full((20,), -0.5)], old_logp=[torch.full((20,), -0.5)])
-    writer._abort()
-    assert s3_env.keys("failing") == []
+    table = pa.table({"x": pa.array(np.arange(1 << 18, dtype=np.float64))})
+    target = "s3://rollouts/aborted/x.parquet"
+    with pytest.raises(RuntimeError, match="the trainer failed"), ParquetFileOut(target) as out:
+        out.write(table, row_group_size=1 << 16)
+        assert isinstance(out.tmp, RemotePath) and out.tmp.name == f".x.parquet.{os.getpid()}.tmp"
+        raise RuntimeError("the trainer failed")
+    assert s3_env.keys("aborted") == []  # neither the part nor its temporary key
+    with ParquetFileOut("s3://rollouts/aborted/x.parquet") as out:
+        out.write(table, row_group_size=1 << 16)
+    assert s3_env.keys("aborted") == ["aborted/x.parquet"]
+    assert read_table("s3://rollouts/aborted/x.parquet", ["x"]).equals(table)
 
 
 # -- errors ------------------------------------------------------------------------------------------------------------
