@@ -228,7 +228,7 @@ _TRANSIENT = re.compile(
     r"HTTP status 5\d\d|response code 5\d\d|Connection reset|Broken pipe|temporarily",
 )
 _DENIED = re.compile(r"ACCESS_DENIED|AccessDenied|SIGNATURE_DOES_NOT_MATCH|INVALID_ACCESS_KEY_ID|"
-                     r"InvalidAccessKeyId|Forbidden|403|UNRECOGNIZED_CLIENT|ExpiredToken|credentials?\b",
+                     r"InvalidAccessKeyId|Forbidden|\b403\b|UNRECOGNIZED_CLIENT|ExpiredToken|credentials?\b",
                      re.IGNORECASE)
 _NO_BUCKET = re.compile(r"NO_SUCH_BUCKET|NoSuchBucket|bucket does not exist", re.IGNORECASE)
 _UNREACHABLE = re.compile(r"NETWORK_CONNECTION|curlCode|Could(?: not|n't) (?:connect|resolve)|timed? ?out",
