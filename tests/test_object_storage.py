@@ -215,6 +215,7 @@ def test_a_failed_write_removes_its_temporary_object(s3_env):
     ("s3://rollouts/runs/a/*.nope", "no object matches this pattern"),
     ("s3://no-such-bucket/run/*.parquet", "no such bucket 'no-such-bucket'"),
     ("ftp://host/x.parquet", "unsupported scheme 'ftp://'"),
+    ("s3://roll*/runs/", "a pattern cannot match the bucket"),
 ])
 def test_missing_inputs_exit_2_with_one_line(s3_env, capsys, remote_dump, uri, fragment):
     code, out, err = run(capsys, "analyze", uri, "-q")

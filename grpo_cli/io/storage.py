@@ -42,6 +42,7 @@ __all__ = [
     "RemotePath",
     "describe",
     "expand_remote",
+    "failed",
     "holds_parquet",
     "is_uri",
     "open_parquet",
@@ -96,6 +97,7 @@ class RemotePath:
 
     @property
     def scheme(self) -> str:
+        """``s3``, ``gs``, ``hdfs``, … (lower case)."""
         return self.uri.split("://", 1)[0].lower()
 
     @property
@@ -105,13 +107,16 @@ class RemotePath:
 
     @property
     def parent(self) -> RemotePath:
+        """The prefix holding this object."""
         return RemotePath(self.uri.rstrip("/").rsplit("/", 1)[0], self.path.rstrip("/").rsplit("/", 1)[0], self.fs)
 
     def __truediv__(self, name: str | os.PathLike[str]) -> RemotePath:
+        """The object ``name`` (a relative key, ``/``-separated) under this prefix."""
         name = Path(name).as_posix() if not isinstance(name, str) else name
         return RemotePath(f"{self.uri.rstrip('/')}/{name}", f"{self.path.rstrip('/')}/{name}", self.fs)
 
     def with_name(self, name: str) -> RemotePath:
+        """The object ``name`` beside this one."""
         return self.parent / name
 
     def resolve(self) -> RemotePath:
@@ -395,10 +400,15 @@ def expand_remote(text: str) -> list[RemotePath]:
     """
     path = remote_path(text)
     if any(ch in path.path for ch in "*?["):
-        head, _, _ = path.path.partition(next(ch for ch in path.path if ch in "*?["))
-        base_path = head.rsplit("/", 1)[0] if "/" in head else head
-        uri_head = path.uri[: len(path.uri) - len(path.path)] if path.uri.endswith(path.path) else None
-        base = RemotePath(f"{uri_head}{base_path}" if uri_head is not None else path.uri, base_path, path.fs)
+        # The listing starts at the last "/" before the first wildcard, in the URI and in the filesystem path alike
+        # (the key after the bucket is the same in both).
+        def before_wildcard(text: str) -> str:
+            return text[: min(text.find(ch) for ch in "*?[" if ch in text)].rsplit("/", 1)[0]
+
+        if "/" not in path.path[: min(path.path.find(ch) for ch in "*?[" if ch in path.path)]:
+            raise InputError("a pattern cannot match the bucket (or container) name: give it literally", file=text)
+        base_path = before_wildcard(path.path)
+        base = RemotePath(before_wildcard(path.uri), base_path, path.fs)
         pattern = _glob_regex(path.path)
         found: list[RemotePath] = []
         for info in _list(base, path):
