@@ -26,7 +26,8 @@ from grpo_cli.cli import main
 from grpo_cli.errors import InputError
 from grpo_cli.io import RolloutDataset, RolloutWriter, storage
 from grpo_cli.io.parquet_file import ParquetFileOut
-from grpo_cli.io.storage import RemotePath, expand_remote, read_table, retrying
+from grpo_cli.io.storage import RemotePath, read_table, retrying
+from grpo_cli.io.storage_listing import expand_remote
 
 ROOT = Path(__file__).resolve().parent.parent
 s3_env = seaweed.s3_env  # the fixture (s3_server comes from conftest.py)

@@ -12,7 +12,8 @@ from typing import Any
 from grpo_cli.errors import InputError, UsageError
 from grpo_cli.io.preset_table import Preset, resolve_column_map
 from grpo_cli.io.schema import COLUMNS
-from grpo_cli.io.storage import DumpPath, RemotePath, holds_parquet, open_parquet, require_bucket
+from grpo_cli.io.storage import DumpPath, RemotePath, open_parquet
+from grpo_cli.io.storage_listing import holds_parquet, require_bucket
 
 __all__ = ["Check", "CheckFiles", "ConvertResult"]
 

@@ -22,7 +22,8 @@ import pyarrow as pa
 from grpo_cli import __version__
 from grpo_cli.io.parquet_file import ParquetFileOut
 from grpo_cli.io.schema import COLUMNS, SCHEMA_VERSION, ColumnKind
-from grpo_cli.io.storage import DumpPath, Location, RemotePath, read_schema, remove, require_bucket, to_path
+from grpo_cli.io.storage import DumpPath, Location, RemotePath, read_schema, remove, to_path
+from grpo_cli.io.storage_listing import require_bucket
 
 __all__ = [
     "ALIGNMENTS",

@@ -50,11 +50,11 @@ from grpo_cli.io.storage import (
     Location,
     RemotePath,
     describe,
-    expand_remote,
     is_uri,
     open_parquet,
     read_table,
 )
+from grpo_cli.io.storage_listing import expand_remote
 
 __all__ = ["DEFAULT_BATCH_TOKENS", "RolloutDataset", "Shard", "expand_paths"]
 
