@@ -55,6 +55,7 @@ from grpo_cli.engine.group import Accumulator, MetricGroup, per_key
 from grpo_cli.engine.runner import accumulate_states
 from grpo_cli.errors import GrpoCliError, UsageError
 from grpo_cli.io.reader import RolloutDataset, Shard
+from grpo_cli.io.storage import RemotePath
 
 __all__ = [
     "MAX_COMPUTE_THREADS",
@@ -300,10 +301,12 @@ def _run_unit(index: int) -> bytes:
     return pickle.dumps(acc.to(torch.device("cpu")))
 
 
-def _context(device: torch.device) -> mp.context.BaseContext:
+def _context(device: torch.device, remote: bool = False) -> mp.context.BaseContext:
     # fork starts a worker in milliseconds and inherits the opened dataset (the DataLoader pattern: one torch
     # thread per worker keeps OpenMP out of the child); CUDA cannot survive a fork, and only Linux forks safely.
-    if device.type == "cpu" and sys.platform.startswith("linux"):
+    # Neither does the AWS SDK under pyarrow's S3 filesystem: a forked child shares its connection pool and threads
+    # and reads garbage, so a dump in object storage gets fresh (spawned) workers, each with its own client.
+    if device.type == "cpu" and sys.platform.startswith("linux") and not remote:
         return mp.get_context("fork")
     return mp.get_context("spawn")
 
@@ -318,7 +321,7 @@ def _fold_in_pool(
     device: torch.device,
     progress: Callable[[int], None] | None,
 ) -> Accumulator:
-    ctx = _context(device)
+    ctx = _context(device, remote=any(isinstance(path, RemotePath) for path in dataset.files))
     counter = ctx.Value("q", 0)
     arrow_threads = max(1, available_cores() // workers)
     job = {"dataset": dataset, "config": config, "groups": list(groups), "units": list(units),
