@@ -303,3 +303,24 @@ def test_remote_paths_pickle_and_stream_in_any_batch_size(s3_env, remote_dump, l
     expected = read_columns(local_dump, batch_tokens=7)
     for batch_tokens in (7, 1 << 16):
         assert read_columns(dataset, batch_tokens=batch_tokens) == expected
+
+
+def test_remote_reads_show_the_progress_bar_sooner(s3_env, monkeypatch, local_dump, remote_dump):
+    import contextlib
+
+    from grpo_cli.cli import _options
+
+    shown: list[tuple[int, int]] = []
+
+    @contextlib.contextmanager
+    def bar(total, quiet, threshold):
+        shown.append((total, threshold))
+        yield None
+
+    monkeypatch.setattr(_options, "progress_bar", bar)
+    for paths in ([f"{remote_dump}/"], [str(local_dump)]):
+        with _options.streaming(RolloutDataset(paths), quiet=False) as progress:
+            assert progress is None
+    n_tokens = RolloutDataset([local_dump]).n_tokens
+    assert shown == [(n_tokens, _options.REMOTE_PROGRESS_TOKENS), (n_tokens, _options.LOCAL_PROGRESS_TOKENS)]
+    assert _options.REMOTE_PROGRESS_TOKENS < _options.LOCAL_PROGRESS_TOKENS
