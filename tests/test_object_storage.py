@@ -158,15 +158,21 @@ def test_advantages_write_to_object_storage(s3_env, capsys, tmp_path, local_dump
 
 
 _KILLED_WRITER = """
-import sys, time
-import numpy as np, torch
-from grpo_cli.io import RolloutWriter
-writer = RolloutWriter(sys.argv[1], row_group_tokens=1 << 16)
-writer.add(step=0, new_logp=[torch.full((500,), -0.5)])
+import json, sys, time
+import numpy as np, pyarrow as pa
+from grpo_cli.io.part_writer import PartWriter  # RolloutWriter's torch-free half: the child starts in a blink
+
+def columns(values, step):
+    return {"new_logp": pa.array([values], pa.list_(pa.field("element", pa.float32(), False))),
+            "step": pa.array([step], pa.int64())}
+
+conventions = (json.dumps({"new_logp": "token"}), "full")
+writer = PartWriter(sys.argv[1], row_group_tokens=1 << 16)
+writer.add_arrays(0, columns(np.full(500, -0.5, np.float32), 0), 500, conventions)
 writer.flush()
 rng = np.random.default_rng(0)
 for _ in range(48):  # step 1: ~12 MB of incompressible row groups, past S3's 5 MB part size: an upload in flight
-    writer.add(step=1, new_logp=[torch.from_numpy(-rng.random(1 << 16, dtype=np.float32))])
+    writer.add_arrays(1, columns(-rng.random(1 << 16, dtype=np.float32), 1), 1 << 16, conventions)
 print("streaming", flush=True)
 time.sleep(120)
 """
