@@ -125,7 +125,7 @@ class ParquetFileOut:
             self._writer = None
             self._sink.close()  # completes the temporary object's upload
             self._sink = None
-            retrying(lambda: tmp.fs.move(tmp.path, final.path))
+            retrying(lambda: _move(tmp, final))
         except BaseException as exc:
             self.abort()
             if isinstance(exc, (OSError, pa.ArrowException)):
@@ -146,6 +146,16 @@ class ParquetFileOut:
                 self._sink.close()
             self._sink = None
         remove(self.tmp)
+
+
+def _move(tmp: RemotePath, final: RemotePath) -> None:
+    try:
+        tmp.fs.move(tmp.path, final.path)
+    except (NotImplementedError, pa.ArrowNotImplementedError):
+        # A store whose filesystem has no move (Azure without a hierarchical namespace): a server-side copy, which
+        # makes the final object appear whole, then the temporary one deleted.
+        tmp.fs.copy_file(tmp.path, final.path)
+        tmp.fs.delete_file(tmp.path)
 
 
 class _RowSource:
