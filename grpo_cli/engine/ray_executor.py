@@ -34,7 +34,11 @@ from grpo_cli.errors import GrpoCliError, UsageError
 from grpo_cli.io.reader import RolloutDataset, Shard
 from grpo_cli.io.storage import RemotePath
 
-__all__ = ["fold_on_ray", "ray_available"]
+__all__ = ["WINDOW_PER_CPU", "fold_on_ray", "ray_available"]
+
+WINDOW_PER_CPU = 2
+"""Tasks in flight or finished but not yet merged, per CPU of the cluster: enough to keep every CPU busy while the
+driver merges in unit order, few enough that the results waiting for it stay bounded."""
 
 
 def ray_available() -> bool:
@@ -91,11 +95,11 @@ def _scheduling(ray: Any, dataset: RolloutDataset) -> Any:
 
 
 @contextlib.contextmanager
-def _cancel_on_exit(ray: Any, refs: list[Any]) -> Iterator[None]:
+def _cancel_on_exit(ray: Any, refs: dict[int, Any]) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        for ref in refs:
+        for ref in refs.values():
             with contextlib.suppress(Exception):
                 ray.cancel(ref)
         raise
@@ -122,15 +126,24 @@ def fold_on_ray(
     _connect(ray)
     if not units:
         return accumulate_states(dataset, config, groups, shards=[], threads=1)
-    task = ray.remote(num_cpus=1, max_retries=0)(_unit_task).options(scheduling_strategy=_scheduling(ray, dataset))
+    # A unit is a pure read, so Ray may rerun its task when a worker or node dies (its default for system failures);
+    # an exception of the task itself (bad input) is not retried.
+    task = ray.remote(num_cpus=1)(_unit_task).options(scheduling_strategy=_scheduling(ray, dataset))
     # The dataset (paths, footers, options) is put in the object store once, not pickled into every task; Ray hands
     # a task the value of an ObjectRef argument.
     job = ray.put((dataset, config, list(groups)))
-    refs = [task.remote(job, unit) for unit in units]
+    # At most WINDOW_PER_CPU tasks per cluster CPU are submitted ahead of the merge, so the results waiting in the
+    # object store stay bounded whatever the number of units.
+    window = max(4, WINDOW_PER_CPU * int(ray.cluster_resources().get("CPU", 1)))
+    refs: dict[int, Any] = {}
+    submitted = 0
     acc: Accumulator | None = None
     with _cancel_on_exit(ray, refs):
-        for ref, unit in zip(refs, units):
-            part = pickle.loads(_result(ray, ref)).to(device)
+        for index, unit in enumerate(units):
+            while submitted < len(units) and submitted < index + window:
+                refs[submitted] = task.remote(job, units[submitted])
+                submitted += 1
+            part = pickle.loads(_result(ray, refs.pop(index))).to(device)
             acc = part if acc is None else acc.merge_(part)
             if progress is not None:
                 progress(sum(shard.n_tokens for shard in unit))
