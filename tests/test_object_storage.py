@@ -300,6 +300,29 @@ def test_transient_errors_are_retried_with_bounded_backoff():
     assert len(calls) == 1 and sleeps == []  # not transient: raised at once
 
 
+def test_s3_requests_are_retried_by_the_sdk_alone(monkeypatch):
+    import pyarrow.fs as pafs
+
+    monkeypatch.setenv("GRPO_CLI_RETRIES", "3")
+    calls: list[int] = []
+
+    def always():
+        calls.append(1)
+        raise OSError("AWS Error NETWORK_CONNECTION during HeadObject operation: curlCode: 7")
+
+    gcs = RemotePath("gs://b/k.parquet", "b/k.parquet", pafs.LocalFileSystem())
+    with pytest.raises(OSError):
+        retrying(always, gcs, sleep=lambda s: None)
+    assert len(calls) == 3  # GRPO_CLI_RETRIES attempts by grpo-cli's loop
+    calls.clear()
+    s3 = RemotePath("s3://b/k.parquet", "b/k.parquet", pafs.LocalFileSystem())
+    with pytest.raises(OSError):
+        retrying(always, s3, sleep=lambda s: None)
+    assert len(calls) == 1  # the AWS SDK already retried each request: no retries around its retries
+    options = storage._s3_options()
+    assert options["retry_strategy"].max_attempts == 3 and options["connect_timeout"] == 5.0
+
+
 def test_remote_paths_pickle_and_stream_in_any_batch_size(s3_env, remote_dump, local_dump):
     import pickle
 

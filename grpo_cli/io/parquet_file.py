@@ -93,7 +93,7 @@ class ParquetFileOut:
         tmp = self.tmp
         if not isinstance(tmp, RemotePath):
             return str(tmp)
-        self._sink = retrying(lambda: tmp.fs.open_output_stream(tmp.path))
+        self._sink = retrying(lambda: tmp.fs.open_output_stream(tmp.path), tmp)
         return self._sink
 
     def commit(self) -> DumpPath | None:
@@ -125,7 +125,7 @@ class ParquetFileOut:
             self._writer = None
             self._sink.close()  # completes the temporary object's upload
             self._sink = None
-            retrying(lambda: _move(tmp, final))
+            retrying(lambda: _move(tmp, final), final)
         except BaseException as exc:
             self.abort()
             if isinstance(exc, (OSError, pa.ArrowException)):

@@ -11,10 +11,11 @@ chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, ``
 (https://docs.aws.amazon.com/sdkref/latest/guide/feature-ss-endpoints.html) but pyarrow's ``S3FileSystem`` does not
 read by itself, so they are passed as its ``endpoint_override``.
 
-Listing a prefix and matching globs is :mod:`grpo_cli.io.storage_listing`. Every metadata request (listing, a
-file's footer, a commit) is retried on transient errors with bounded exponential
-backoff (:func:`retrying`); the data requests of S3 are retried by the AWS SDK's standard strategy, set to the same
-number of attempts. Errors become one :class:`~grpo_cli.errors.InputError` line naming the URI and what to do.
+Listing a prefix and matching globs is :mod:`grpo_cli.io.storage_listing`. On S3 every request (listing, a footer,
+a ranged read, an uploaded part, a commit) is retried on transient errors by the AWS SDK's standard strategy with
+exponential backoff, :func:`retry_attempts` attempts in all; on the other stores grpo-cli's own requests are
+retried by :func:`retrying` with bounded exponential backoff. Errors become one :class:`~grpo_cli.errors.InputError`
+line naming the URI and what to do.
 """
 
 from __future__ import annotations
@@ -244,12 +245,17 @@ def _is_transient(exc: BaseException) -> bool:
     )
 
 
-def retrying(call: Callable[[], _T], *, attempts: int | None = None, sleep: Callable[[float], None] = time.sleep) -> _T:
-    """``call()``, retried on a transient error (network, throttling, 5xx) with bounded exponential backoff.
+def retrying(call: Callable[[], _T], path: RemotePath | None = None, *, attempts: int | None = None,
+             sleep: Callable[[float], None] = time.sleep) -> _T:
+    """``call()`` (a request about ``path``), retried on a transient error (network, throttling, 5xx) with bounded
+    exponential backoff. Any other error, or the last attempt's, is raised as it is.
 
-    Any other error, or the last attempt's, is raised as it is.
+    On S3 every request is already retried by the AWS SDK's standard strategy (:func:`_s3_options`), so ``call`` runs
+    once: retrying around the SDK's retries would multiply the attempts (and the wait on a dead endpoint).
     """
-    tries = retry_attempts() if attempts is None else max(1, attempts)
+    if attempts is None:
+        attempts = 1 if path is not None and path.scheme == "s3" else retry_attempts()
+    tries = max(1, attempts)
     for attempt in range(tries):
         try:
             return call()
@@ -331,7 +337,7 @@ def open_parquet(path: Location, **options: Any) -> pq.ParquetFile:
     if options.get("buffer_size"):
         options["buffer_size"] = max(options["buffer_size"], REMOTE_READ_BUFFER_BYTES)
     try:
-        return retrying(lambda: pq.ParquetFile(path.path, filesystem=path.fs, **options))
+        return retrying(lambda: pq.ParquetFile(path.path, filesystem=path.fs, **options), path)
     except FileNotFoundError as exc:
         raise failed(exc, path) from None
     except (OSError, pa.ArrowException) as exc:
@@ -363,4 +369,4 @@ def remove(path: DumpPath) -> None:
         path.unlink(missing_ok=True)
         return
     with contextlib.suppress(OSError, pa.ArrowException):
-        retrying(lambda: path.fs.delete_file(path.path))
+        retrying(lambda: path.fs.delete_file(path.path), path)

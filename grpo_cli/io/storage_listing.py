@@ -52,7 +52,7 @@ def _glob_regex(pattern: str) -> re.Pattern[str]:
 def _list(base: RemotePath, shown: RemotePath | None = None) -> list[pafs.FileInfo]:
     """Everything under ``base`` (recursive); errors name ``shown`` (what the user wrote), default ``base``."""
     try:
-        return retrying(lambda: base.fs.get_file_info(pafs.FileSelector(base.path, recursive=True)))
+        return retrying(lambda: base.fs.get_file_info(pafs.FileSelector(base.path, recursive=True)), base)
     except FileNotFoundError:
         return []
     except (OSError, pa.ArrowException) as exc:
@@ -61,7 +61,7 @@ def _list(base: RemotePath, shown: RemotePath | None = None) -> list[pafs.FileIn
 
 def _info(path: RemotePath) -> pafs.FileInfo:
     try:
-        return retrying(lambda: path.fs.get_file_info(path.path))
+        return retrying(lambda: path.fs.get_file_info(path.path), path)
     except (OSError, pa.ArrowException) as exc:
         raise failed(exc, path) from None
 
@@ -146,7 +146,7 @@ def require_bucket(directory: RemotePath) -> None:
     """
     if directory.scheme in ("hdfs", "viewfs"):
         try:
-            retrying(lambda: directory.fs.create_dir(directory.path, recursive=True))
+            retrying(lambda: directory.fs.create_dir(directory.path, recursive=True), directory)
         except (OSError, pa.ArrowException) as exc:
             raise failed(exc, directory, "cannot create") from None
         return
