@@ -353,3 +353,26 @@ def test_remote_reads_show_the_progress_bar_sooner(s3_env, monkeypatch, local_du
     n_tokens = RolloutDataset([local_dump]).n_tokens
     assert shown == [(n_tokens, _options.REMOTE_PROGRESS_TOKENS), (n_tokens, _options.LOCAL_PROGRESS_TOKENS)]
     assert _options.REMOTE_PROGRESS_TOKENS < _options.LOCAL_PROGRESS_TOKENS
+
+
+@pytest.mark.parametrize(("uri", "message", "expected"), [
+    ("gs://b/run/", "google::cloud::Status(UNAVAILABLE: Retry policy exhausted, with a last message of Could not "
+     "create a OAuth2 access token to authenticate the request.", "no credentials found: set GOOGLE_APPLICATION_"),
+    ("abfs://c@acct.dfs.core.windows.net/run/", "Check for Hierarchical Namespace support failed: "
+     "AuthenticationException: Failed to get token from DefaultAzureCredential.",
+     "no credentials found: set AZURE_STORAGE_ACCOUNT_KEY"),
+    ("s3://b/run/", "When listing objects under key 'run' in bucket 'b': AWS Error NO_SUCH_BUCKET during "
+     "ListObjectsV2 operation: The specified bucket does not exist (Request ID: 18EE164AB4CBE832)",
+     "no such bucket 'b'"),
+    ("s3://b/run/", "AWS Error ACCESS_DENIED during HeadObject operation: No response body. (Request ID: 403AB)",
+     "access denied: the credentials were refused; check AWS_ACCESS_KEY_ID"),
+    ("hdfs://nn:8020/run/", "HDFS connection failed: Connection refused; Could not connect to nn:8020",
+     "cannot reach the hdfs:// endpoint"),
+])
+def test_each_store_failure_says_what_to_do(uri, message, expected):
+    import pyarrow.fs as pafs
+
+    path = RemotePath(uri, uri.split("://", 1)[1], pafs.LocalFileSystem())
+    text = storage.describe(OSError(message), path)
+    assert text.startswith(expected), text
+    assert "Request ID" not in text and "\n" not in text

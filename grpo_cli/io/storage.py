@@ -21,6 +21,7 @@ line naming the URI and what to do.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import os
 import re
@@ -66,6 +67,8 @@ DEFAULT_RETRY_ATTEMPTS = 4
 """Attempts of one request on a transient error (``GRPO_CLI_RETRIES`` overrides it); backoff 0.25 s, doubling, at
 most :data:`MAX_BACKOFF_S` between attempts, so an unreachable endpoint fails within seconds."""
 MAX_BACKOFF_S = 2.0
+GCS_RETRY_TIME_LIMIT_S = 10.0
+"""How long Google's client retries one GCS request (its default is 15 minutes)."""
 
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
 _T = TypeVar("_T")
@@ -163,6 +166,10 @@ def _filesystem(scheme: str, authority: str, env: tuple[tuple[str, str], ...]) -
         return pafs.S3FileSystem(**_s3_options())
     uri = f"{scheme}://{authority}/"
     try:
+        if scheme in ("gs", "gcs"):
+            # Google's client retries for 15 minutes by default (and so waits that long for a missing credential
+            # server); a bounded limit, as for S3, turns a dead endpoint into an error in seconds.
+            return pafs.GcsFileSystem(retry_time_limit=datetime.timedelta(seconds=GCS_RETRY_TIME_LIMIT_S))
         fs, _ = pafs.FileSystem.from_uri(uri)
         return fs
     except (pa.ArrowException, OSError, ValueError) as native:
@@ -171,10 +178,12 @@ def _filesystem(scheme: str, authority: str, env: tuple[tuple[str, str], ...]) -
 
             handler = pafs.FSSpecHandler(fsspec.filesystem(scheme))
             return pafs.PyFileSystem(handler)
-        except (ImportError, ValueError) as exc:
+        except Exception as exc:  # any driver's failure to start is reported as one line
+            hint = (" (HDFS needs libhdfs and a JVM: JAVA_HOME, HADOOP_HOME, CLASSPATH=$(hadoop classpath --glob))"
+                    if scheme in ("hdfs", "viewfs") else "")
             raise InputError(
-                f"this pyarrow cannot open {scheme}:// ({_first_line(native)}) and fsspec has no driver for it "
-                f"({_first_line(exc)}); install pyarrow with {scheme} support or its fsspec package (docs/storage.md)",
+                f"cannot open {scheme}:// ({_first_line(native)}; fsspec: {_first_line(exc)}){hint}; see "
+                "docs/storage.md",
                 file=uri,
             ) from None
 
@@ -200,7 +209,10 @@ def remote_path(uri: str) -> RemotePath:
     if not authority:
         raise InputError("no bucket or host in the URI (expected scheme://bucket/key)", file=uri)
     env = tuple((k, os.environ.get(k, "")) for k in _ENV_KEYS)
-    fs = _filesystem(scheme, authority, env)
+    try:
+        fs = _filesystem(scheme, authority, env)
+    except InputError as exc:
+        raise InputError(exc.reason, file=uri) from None  # name what the user wrote
     if scheme in ("hdfs", "viewfs"):
         path = f"/{key}"  # the host names the cluster; the path is absolute in it
     elif isinstance(fs, pafs.PyFileSystem):
@@ -234,6 +246,8 @@ _TRANSIENT = re.compile(
 _DENIED = re.compile(r"ACCESS_DENIED|AccessDenied|SIGNATURE_DOES_NOT_MATCH|INVALID_ACCESS_KEY_ID|"
                      r"InvalidAccessKeyId|Forbidden|\b403\b|UNRECOGNIZED_CLIENT|ExpiredToken|credentials?\b",
                      re.IGNORECASE)
+_NO_CREDENTIALS = re.compile(r"OAuth2 access token|Failed to get token|Unable to locate credentials|"
+                             r"No credentials|NoCredentialProviders", re.IGNORECASE)
 _NO_BUCKET = re.compile(r"NO_SUCH_BUCKET|NoSuchBucket|bucket does not exist", re.IGNORECASE)
 _UNREACHABLE = re.compile(r"NETWORK_CONNECTION|curlCode|Could(?: not|n't) (?:connect|resolve)|timed? ?out",
                           re.IGNORECASE)
@@ -290,6 +304,8 @@ def describe(exc: BaseException, path: RemotePath) -> str:
     if _NO_BUCKET.search(text):
         bucket = path.path.split("/", 1)[0]
         return f"no such bucket '{bucket}': check the name (and the endpoint: {_endpoint(path)})"
+    if _NO_CREDENTIALS.search(text):
+        return f"no credentials found: set {_CREDENTIALS.get(path.scheme, 'them')} ({_short(detail)})"
     if _UNREACHABLE.search(text):
         hint = " (AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3)" if path.scheme == "s3" else ""
         return f"cannot reach {_endpoint(path)}{hint}: check the address and the network ({_short(detail)})"
