@@ -23,7 +23,8 @@ BATCH = 40  # tokens per batch: units of 4 * 40 tokens, many per dump
 
 @pytest.fixture(scope="module")
 def ray_cluster(request):
-    """One local cluster of 2 CPUs for the module (its start-up is the cost). Its workers get the object store's
+    """One local cluster of 2 CPUs for the module (its start-up is the cost), on the node address 127.0.0.1 (Ray's own
+    gRPC servers still bind every interface: Ray has no option to narrow them). Its workers get the object store's
     variables through ``runtime_env``, as a user's cluster gets its credentials (without the weed binary only the
     object-storage test is skipped)."""
     try:
@@ -31,7 +32,7 @@ def ray_cluster(request):
     except pytest.skip.Exception:
         env = {}
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-             runtime_env={"env_vars": env})
+             runtime_env={"env_vars": env}, _node_ip_address="127.0.0.1")
     try:
         yield ray
     finally:
