@@ -157,6 +157,29 @@ def test_advantages_write_to_object_storage(s3_env, capsys, tmp_path, local_dump
         assert f.read() == (tmp_path / "fixed.parquet").read_bytes()
 
 
+def test_convert_from_sources_in_object_storage(s3_env, capsys, tmp_path):
+    # JSON lines and torch.save'd dicts read from the store convert to the same bytes as from a local directory.
+    seqs = random_sequences(12, seed=2, max_len=9)
+    source = tmp_path / "src"
+    source.mkdir()
+    rows = [{"step": s.step, "new_logp": s.new, "old_logp": s.old, "loss_mask": s.mask, "advantages": s.advantage}
+            for s in seqs]
+    (source / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    torch.save({"new_logp": torch.tensor([seqs[0].new]), "old_logp": torch.tensor([seqs[0].old])}, source / "d.pt")
+    uri = s3_env.upload(source, "sources")
+    for fmt, name in (("jsonl", "d.jsonl"), ("torch-dict", "d.pt")):
+        local_out, remote_out = tmp_path / f"{fmt}-out", f"s3://rollouts/converted-{fmt}"
+        code, _, err = run(capsys, "convert", source / name, "-o", local_out, "--from", fmt, "-q")
+        assert code == 0, err
+        code, _, err = run(capsys, "convert", f"{uri}/", "-o", remote_out, "--from", fmt, "-q")
+        assert code == 0, err
+        parts = sorted(p.name for p in local_out.iterdir())
+        assert s3_env.keys(f"converted-{fmt}") == [f"converted-{fmt}/{p}" for p in parts] and parts
+        for part in parts:
+            with s3_env.fs().open_input_file(f"{BUCKET}/converted-{fmt}/{part}") as f:
+                assert f.read() == (local_out / part).read_bytes()
+
+
 _KILLED_WRITER = """
 import json, sys, time
 import numpy as np, pyarrow as pa

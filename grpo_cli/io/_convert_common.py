@@ -12,8 +12,8 @@ from typing import Any
 from grpo_cli.errors import InputError, UsageError
 from grpo_cli.io.preset_table import Preset, resolve_column_map
 from grpo_cli.io.schema import COLUMNS
-from grpo_cli.io.storage import DumpPath, RemotePath, open_parquet
-from grpo_cli.io.storage_listing import holds_parquet, require_bucket
+from grpo_cli.io.storage import DumpPath, RemotePath, is_uri, open_parquet
+from grpo_cli.io.storage_listing import holds_parquet, objects_with_suffix, require_bucket
 
 __all__ = ["Check", "CheckFiles", "ConvertResult"]
 
@@ -45,9 +45,12 @@ sequence-per-row), without opening a dataset, so that a converter that needs no 
 (``grpo_cli.commands.convert``: :func:`grpo_cli.engine.checks.check_part_files`)."""
 
 
-def _expand(sources: Sequence[str | os.PathLike[str]], suffixes: tuple[str, ...]) -> list[Path]:
-    files: set[Path] = set()
+def _expand(sources: Sequence[str | os.PathLike[str]], suffixes: tuple[str, ...]) -> list[DumpPath]:
+    files: set[DumpPath] = set()
     for raw in sources:
+        if is_uri(raw):  # an object or a prefix in object storage (docs/storage.md)
+            files.update(objects_with_suffix(str(raw), suffixes))
+            continue
         path = Path(raw)
         if not path.exists():
             raise InputError("no such file or directory", file=str(path))
@@ -79,7 +82,7 @@ def _check_out_dir(out_dir: DumpPath, sources: Sequence[DumpPath]) -> None:
             raise UsageError(f"-o {out_dir}: is one of the sources")
 
 
-def _writer_error(exc: ValueError, file: Path) -> InputError:
+def _writer_error(exc: ValueError, file: DumpPath) -> InputError:
     return InputError(f"cannot convert ({exc})", file=str(file))
 
 

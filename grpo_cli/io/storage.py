@@ -23,13 +23,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import io
 import os
 import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TextIO, TypeVar
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -47,6 +48,8 @@ __all__ = [
     "failed",
     "is_uri",
     "open_parquet",
+    "open_text",
+    "read_bytes",
     "read_schema",
     "read_table",
     "remote_path",
@@ -376,6 +379,29 @@ def read_table(path: Location, columns: Iterable[str]) -> pa.Table:
     if not isinstance(path, RemotePath):
         return pq.read_table(path, columns=list(columns))
     return open_parquet(path).read(columns=list(columns))
+
+
+def open_text(path: DumpPath) -> TextIO:
+    """A UTF-8 text stream of a local file or a remote object (streamed, not downloaded first).
+
+    Raises:
+        OSError: a local file that cannot be opened; InputError: a remote one (:func:`describe`).
+    """
+    if not isinstance(path, RemotePath):
+        return path.open("r", encoding="utf-8")
+    try:
+        return io.TextIOWrapper(retrying(lambda: path.fs.open_input_stream(path.path), path), encoding="utf-8")
+    except (OSError, pa.ArrowException) as exc:
+        raise failed(exc, path) from None
+
+
+def read_bytes(path: RemotePath) -> bytes:
+    """A remote object's whole content (for formats that are loaded whole anyway, such as ``torch.save`` files)."""
+    try:
+        with retrying(lambda: path.fs.open_input_stream(path.path), path) as stream:
+            return stream.read()
+    except (OSError, pa.ArrowException) as exc:
+        raise failed(exc, path) from None
 
 
 # -- writing -----------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pyarrow.fs as pafs
 from grpo_cli.errors import InputError
 from grpo_cli.io.storage import RemotePath, _endpoint, failed, remote_path, retrying
 
-__all__ = ["expand_remote", "holds_parquet", "require_bucket"]
+__all__ = ["expand_remote", "holds_parquet", "objects_with_suffix", "require_bucket"]
 
 
 def _glob_regex(pattern: str) -> re.Pattern[str]:
@@ -78,13 +78,32 @@ def _missing(path: RemotePath) -> InputError:
                       file=path.uri)
 
 
-def _parquet_under(prefix: RemotePath) -> list[RemotePath]:
+def _parquet_under(prefix: RemotePath, suffixes: tuple[str, ...] = (".parquet",)) -> list[RemotePath]:
     out = []
     for info in _list(prefix):
-        if info.type == pafs.FileType.File and info.path.endswith(".parquet"):
+        if info.type == pafs.FileType.File and info.path.endswith(suffixes):
             relative = info.path[len(prefix.path):].lstrip("/")
             out.append(prefix / relative)
     return out
+
+
+def objects_with_suffix(text: str, suffixes: tuple[str, ...]) -> list[RemotePath]:
+    """A URI → the object itself, or every object under the prefix ending in one of ``suffixes`` (the converters'
+    sources: ``.jsonl``, ``.pt``, …), as a local directory is searched.
+
+    Raises:
+        InputError: a missing bucket, object or prefix, or a prefix with no such object.
+    """
+    path = remote_path(text)
+    info = _info(path)
+    if info.type == pafs.FileType.File:
+        return [path]
+    if info.type == pafs.FileType.NotFound:
+        raise _missing(path)
+    found = _parquet_under(path, suffixes)
+    if not found:
+        raise InputError(f"prefix holds no {'/'.join(suffixes)} objects", file=text)
+    return found
 
 
 def holds_parquet(prefix: RemotePath) -> bool:
