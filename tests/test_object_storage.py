@@ -178,6 +178,8 @@ def test_convert_from_sources_in_object_storage(s3_env, capsys, tmp_path):
         for part in parts:
             with s3_env.fs().open_input_file(f"{BUCKET}/converted-{fmt}/{part}") as f:
                 assert f.read() == (local_out / part).read_bytes()
+    code, _, err = run(capsys, "convert", f"{uri}/", "-o", tmp_path / "slime", "--from", "slime-train", "-q")
+    assert code == 2 and err.count("\n") == 1 and "--from slime-train reads local files" in err, err
 
 
 _KILLED_WRITER = """
