@@ -3,9 +3,9 @@ module is too long to read.
 
 Every import counts: module level, inside functions and under ``TYPE_CHECKING``. The list, bottom to top:
 
-0. ``grpo_cli.errors``, ``grpo_cli._format``, ``grpo_cli._choices``, ``grpo_cli._launch``, ``grpo_cli._keys`` —
-   exceptions, exit codes, number formatting, the command line's choices, the launcher's environment, the generated
-   key and option lists (all torch-free);
+0. ``grpo_cli.errors``, ``grpo_cli._format``, ``grpo_cli._choices``, ``grpo_cli._constants``, ``grpo_cli._launch``,
+   ``grpo_cli._keys`` — exceptions, exit codes, number formatting, the command line's choices, the constants several
+   layers share, the launcher's environment, the generated key and option lists (all torch-free);
 1. ``grpo_cli.core`` — pure torch;
 2. ``grpo_cli.io`` — Parquet in and out;
 3. ``grpo_cli.engine`` — the streaming run;
@@ -29,8 +29,10 @@ LAYERS = {
     "grpo_cli.errors": 0,
     "grpo_cli._format": 0,
     "grpo_cli._choices": 0,
+    "grpo_cli._constants": 0,
     "grpo_cli._launch": 0,
     "grpo_cli._keys": 0,
+    "grpo_cli._intervals": 0,
     "grpo_cli.core": 1,
     "grpo_cli.io": 2,
     "grpo_cli.engine": 3,

@@ -545,3 +545,18 @@ def test_sample_rules_pass_and_a_tightened_rule_fails_naming_rule_and_step(capsy
     assert code == 1
     assert "FAIL: kl/k3 per step" in out and f"at step {worst};" in out
     assert "1 failed (kl/k3 per step)" in err
+
+
+def test_without_rules_no_empty_rules_line(capsys, tmp_path, dump, monkeypatch):
+    # check with no --rules/--rules-preset runs only its validation rule: there is no rules file to name.
+    path, _ = dump
+    code, out, _ = run(capsys, "check", path)
+    assert code == 0
+    assert not any(line.strip() in ("rules:", "rules: ") or line.startswith("rules: ;") for line in out.splitlines())
+    assert "rules:" not in out.split("\n", 2)[1]
+    summary = tmp_path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    code, out, _ = run(capsys, "check", path, "-f", "github")
+    assert code == 0 and "; rules:" not in summary.read_text()  # (the headline says "1 rules: 1 passed")
+    code, out, _ = run(capsys, "check", path, "--rules-preset", "sanity")
+    assert code == 0 and out.splitlines()[1] == "rules: preset sanity"

@@ -12,13 +12,11 @@ import pytest
 import torch
 from simulate import fault_config, simulate
 
+from grpo_cli.commands.analyze import AnalyzeConfig, analyze
 from grpo_cli.core.diagnosis import (
     by_step_compute,
     by_step_state,
     by_step_update,
-    diagnosis_compute,
-    diagnosis_state,
-    diagnosis_update,
     duplicates_compute,
     duplicates_state,
     duplicates_update,
@@ -31,9 +29,9 @@ from grpo_cli.core.diagnosis import (
     lags_compute,
     lags_state,
     lags_update,
-    relation_compute,
-    relation_state,
-    relation_update,
+    pairs_compute,
+    pairs_state,
+    pairs_update,
     sequence_hash,
     shift_compute,
     shift_state,
@@ -119,12 +117,11 @@ def existing_figures(paths: list[Path] | Path, epsilon: float = 0.2, is_threshol
 
 
 def diag_figures(paths: list[Path] | Path, batch_tokens: int = 1 << 14) -> dict[str, Any]:
-    """Every ``diag/*`` figure of a dump, streamed in batches of about ``batch_tokens`` tokens."""
+    """Every ``diag/*`` figure of a dump, streamed by the engine in batches of about ``batch_tokens`` tokens (the
+    findings-only groups alone)."""
     ds = RolloutDataset([paths] if isinstance(paths, Path) else paths)
-    states = diagnosis_state()
-    for batch in ds.iter_batches(batch_tokens=batch_tokens):
-        diagnosis_update(states, batch)
-    return diagnosis_compute(states)
+    result = analyze(ds, AnalyzeConfig(batch_tokens=batch_tokens), groups=[], findings=DetectConfig())
+    return result.evidence
 
 
 def _close(a: Any, b: Any, rel: float = 1e-12, path: str = "") -> None:
@@ -184,30 +181,73 @@ def test_shift_merges_across_batches() -> None:
     _close(shift_compute(b.merge(a)), shift_compute(whole))
 
 
-# -- relation --------------------------------------------------------------------------------------------------------
-def test_relation_against_float64_reference() -> None:
+# -- pairs -----------------------------------------------------------------------------------------------------------
+def _residual(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    design = torch.stack([torch.ones_like(h), h], 1)
+    return v - design @ torch.linalg.lstsq(design, v[:, None]).solution.flatten()
+
+
+def _reference_ratio(x: torch.Tensor, y: torch.Tensor, h: torch.Tensor) -> tuple[float, float, float]:
+    """(b_yx, b_xy⁻¹, sd(x)/sd(y)) of the residuals on h: an independent float64 least-squares reference."""
+    rx, ry = _residual(x, h), _residual(y, h)
+    c = float((rx * ry).mean())
+    vx, vy = float((rx * rx).mean()), float((ry * ry).mean())
+    return c / vx, vy / c, math.sqrt(vx / vy)
+
+
+def test_pairs_against_float64_reference_with_jackknife() -> None:
     g = torch.Generator().manual_seed(0)
-    x = -torch.rand(200, generator=g, dtype=torch.float64) * 5
-    y = 0.3 + 1.2 * x + 0.05 * torch.randn(200, generator=g, dtype=torch.float64)
-    lengths = (50, 70, 80)
-    state = relation_state()
-    for lo, hi, n in ((0, 50, 50), (50, 200, None)):
-        cu = _cu(50) if n else _cu(70, 80)
-        relation_update(state, new_logp=x[lo:hi].float(), old_logp=y[lo:hi].float(), cu_seqlens=cu)
-    out = relation_compute(state)
-    xf, yf = x.float().double(), y.float().double()
-    design = torch.stack([torch.ones_like(xf), xf], 1)
-    coef = torch.linalg.lstsq(design, yf[:, None]).solution.flatten()
-    assert out["diag/old_vs_new_slope"] == pytest.approx(float(coef[1]), rel=1e-9)
-    assert out["diag/old_vs_new_intercept"] == pytest.approx(float(coef[0]), rel=1e-9)
-    assert out["diag/old_gt_new_frac"] == float((yf > xf).double().mean())
-    d = yf - xf
-    seq_means = torch.stack([c.mean() for c in d.split(lengths)])
-    assert out["diag/seq_old_minus_new_mean"] == pytest.approx(float(seq_means.mean()), rel=1e-12)
-    ci = 1.96 * float(seq_means.std(unbiased=False)) / math.sqrt(3)
-    assert out["diag/seq_old_minus_new_ci"] == pytest.approx(ci, rel=1e-9)
-    onesided = [float((c > 0).double().mean()) >= 0.95 for c in d.split(lengths)]
-    assert out["diag/onesided_seq_frac"] == sum(onesided) / 3
+    n_seq, per = 12, 10
+    x = -torch.rand(n_seq * per, generator=g, dtype=torch.float64) * 3
+    h = torch.rand(n_seq * per, generator=g, dtype=torch.float64)
+    y = 1.4 * x + 0.2 * h + 0.01 * torch.randn(n_seq * per, generator=g, dtype=torch.float64)
+    block = torch.arange(n_seq) % 4  # four blocks of three sequences
+    cu = _cu(*([per] * n_seq))
+    whole = pairs_state()
+    pairs_update(whole, new_logp=x.float(), old_logp=y.float(), entropy=h.float(), cu_seqlens=cu, block=block)
+    split = pairs_state()
+    for lo, hi in ((0, 5), (5, 12)):
+        pairs_update(split, new_logp=x[lo * per:hi * per].float(), old_logp=y[lo * per:hi * per].float(),
+                     entropy=h[lo * per:hi * per].float(), cu_seqlens=_cu(*([per] * (hi - lo))), block=block[lo:hi])
+    out = pairs_compute(whole)
+    _close(out, pairs_compute(split), rel=1e-9)
+    xf, yf, hf = x.float().double(), y.float().double(), h.float().double()
+    b_yx, b_inv, ratio = _reference_ratio(xf, yf, hf)
+    assert out["diag/pair_slope_old_on_new"]["value"] == pytest.approx(b_yx, rel=1e-9)
+    assert out["diag/pair_slope_new_on_old_inverse"]["value"] == pytest.approx(b_inv, rel=1e-9)
+    assert out["diag/temperature_ratio"]["value"] == pytest.approx(ratio, rel=1e-9)
+    assert ratio == pytest.approx(1 / 1.4, rel=0.01)
+    # delete-a-block jackknife by hand: the slope without each block's tokens, t(3) = 3.182
+    token_block = block.repeat_interleave(per)
+    loo = [_reference_ratio(xf[token_block != k], yf[token_block != k], hf[token_block != k])[0] for k in range(4)]
+    mean = sum(loo) / 4
+    half = 3.182 * math.sqrt(3 / 4 * sum((v - mean) ** 2 for v in loo))
+    assert out["diag/pair_slope_old_on_new"]["low"] == pytest.approx(b_yx - half, rel=1e-9)
+    assert out["diag/pair_slope_old_on_new"]["high"] == pytest.approx(b_yx + half, rel=1e-9)
+    # no lag: every token is a same-weights pair; d > 0 on neither bin's majority, no re-tokenised token
+    assert out["diag/pair_scope"] == "all tokens" and out["diag/retok_n_seq"] == 0
+
+
+def test_pairs_retokenisation_stale_prox_and_partner() -> None:
+    """Hand values: a likely behaviour token scored 6 nats lower is re-tokenised; a stale sequence whose prox equals
+    old everywhere was not recomputed; the partner is the column closer to old."""
+    new = torch.tensor([-0.1, -6.1, -0.2, -0.3, -1.0, -1.0])
+    old = torch.tensor([-0.1, -0.1, -0.2, -0.3, -1.5, -1.2])
+    prox = torch.tensor([-0.5, -6.0, -0.6, -0.3, -1.5, -1.2])
+    lag = torch.tensor([0, 0, 0, 0, 1, 1])
+    state = pairs_state()
+    pairs_update(state, new_logp=new, old_logp=old, prox_logp=prox, lag=lag, cu_seqlens=_cu(2, 2, 2),
+                 block=torch.tensor([0, 1, 2]), rows=torch.tensor([7, 8, 9]))
+    out = pairs_compute(state)
+    assert out["diag/pair_partner"] == "new_logp" and out["diag/pair_scope"] == "lag 0"
+    assert out["diag/pair_n_tokens"] == 4
+    assert out["diag/retok_n_seq"] == 1 and out["diag/retok_n_tokens"] == 1
+    assert out["diag/retok_seq_frac"]["value"] == 0.5  # of the two sequences with lag-0 tokens
+    assert [r["row"] for r in out["diag/retok_top"]] == [7]
+    assert out["diag/prox_equal_old_seq_frac"]["value"] == 1.0 and out["diag/prox_equal_old_n_stale"] == 1
+    # mean exp|d| over the four lag-0 tokens: |d| = 0, 6, 0, 0
+    assert out["diag/pair_mult_prob_error"]["value"] == pytest.approx((3 + math.exp(6.0)) / 4, rel=1e-6)
+    assert out["diag/pair_tail_frac"]["value"] == 0.25
 
 
 # -- zeros and mask coverage -------------------------------------------------------------------------------------------
@@ -352,7 +392,7 @@ def test_lags_hand_values() -> None:
 
 # -- batching ----------------------------------------------------------------------------------------------------------
 def test_figures_do_not_depend_on_batching(tmp_path: Path) -> None:
-    cfg = fault_config("mask_prompt", 0.3, steps=3, prompts_per_step=4, duplicate=True, shift=1)
+    cfg = fault_config("mask_prompt", 0.3, steps=3, prompts_per_step=8, duplicate=True, shift=1, lags=(0, 1))
     simulate(cfg, tmp_path)
     small = diag_figures(tmp_path, batch_tokens=300)
     large = diag_figures(tmp_path, batch_tokens=1 << 20)
@@ -364,31 +404,69 @@ def test_figures_do_not_depend_on_batching(tmp_path: Path) -> None:
 _BIG = {"n_valid_tokens": 100_000, "n_sequences": 4000}
 
 
-def test_small_dump_caps_at_info() -> None:
-    fig = {**_BIG, "diag/shift_seq_late_frac": 0.5, "diag/shift_seq_early_frac": 0.0, "diag/shift_n_seq": 100}
-    assert [(f.code, f.severity) for f in detect(fig)] == [("GRP101", "error")]
-    small = {**fig, "n_valid_tokens": 2000, "n_sequences": 40}
-    (finding,) = detect(small)
-    assert finding.severity == "info" and "small dump" in finding.notes[0]
+def test_a_strong_effect_in_a_small_dump_is_an_error() -> None:
+    """No size cap: 20 of 40 sequences preferring the shift is conclusive (Wilson interval 0.35–0.65)."""
+    fig = {"n_valid_tokens": 2000, "n_sequences": 40, "diag/shift_seq_late_frac": 0.5,
+           "diag/shift_seq_early_frac": 0.0, "diag/shift_n_seq": 40}
+    (finding,) = detect(fig)
+    assert (finding.code, finding.severity) == ("GRP101", "error")
+    ev = finding.evidence["diag/shift_seq_late_frac"]
+    # Wilson's interval for 20/40, by hand: centre (0.5 + 1.96²/80)/(1 + 1.96²/40) = 0.5, half-width
+    # 1.96·√(0.25/40 + 1.96²/6400)/(1 + 1.96²/40) = 1.96·0.082766/1.09604 = 0.14801
+    assert ev["low"] == pytest.approx(0.5 - 0.14801, abs=1e-5) and ev["high"] == pytest.approx(0.5 + 0.14801, abs=1e-5)
+    assert ev["threshold"] == 0.02
 
 
-def test_few_flagged_sequences_stay_info() -> None:
+def test_few_flagged_sequences_are_inconclusive() -> None:
+    """2 of 100 sequences: the estimate reaches the warning threshold, the interval (0.6 %–7 %) does not."""
     fig = {**_BIG, "diag/shift_seq_late_frac": 0.02, "diag/shift_seq_early_frac": 0.0, "diag/shift_n_seq": 100}
-    (finding,) = detect(fig)  # 2 sequences prefer the shift: below MIN_FLAGGED_SEQUENCES
-    assert finding.code == "GRP101" and finding.severity == "info"
+    (finding,) = detect(fig)
+    assert finding.code == "GRP101" and finding.severity == "inconclusive"
+    assert "would settle it" in finding.notes[0]
 
 
-def test_confidence_bound_straddling_the_threshold_caps_at_info() -> None:
-    fig = {**_BIG, "diag/onesided_seq_frac": 0.3, "diag/seq_old_minus_new_mean": 0.02}
-    assert detect({**fig, "diag/seq_old_minus_new_ci": 0.005})[0].severity == "warning"
-    (finding,) = detect({**fig, "diag/seq_old_minus_new_ci": 0.015})
-    assert finding.code == "GRP103" and finding.severity == "info" and "interval" in finding.notes[0]
+def test_an_interval_straddling_the_threshold_is_inconclusive() -> None:
+    est = {"value": 0.9, "low": 0.7, "high": 1.0}
+    common = {**_BIG, "diag/pair_d_likely": {"value": 0.05, "low": 0.04, "high": 0.06},
+              "diag/pair_d_unlikely": {"value": 0.2, "low": 0.1, "high": 0.3}}
+    (finding,) = detect({**common, "diag/pair_onesided": est})
+    assert (finding.code, finding.severity) == ("GRP103", "inconclusive")
+    (finding,) = detect({**common, "diag/pair_onesided": {"value": 0.9, "low": 0.85, "high": 0.95}})
+    assert finding.severity == "warning"
+    (finding,) = detect({**common, "diag/pair_onesided": {"value": 0.99, "low": 0.96, "high": 1.0}})
+    assert finding.severity == "error"
+    # a tilt sinks the unlikely tokens: no truncation however one-sided the likely ones are
+    tilt = {**common, "diag/pair_d_unlikely": {"value": -0.3, "low": -0.4, "high": -0.2}}
+    assert detect({**tilt, "diag/pair_onesided": {"value": 0.99, "low": 0.96, "high": 1.0}}) == []
+
+
+def _pairs(ratio: float, low: float, high: float, b1: tuple[float, float, float],
+           b2: tuple[float, float, float]) -> dict[str, object]:
+    def est(v: tuple[float, float, float]) -> dict[str, float]:
+        return {"value": v[0], "low": v[1], "high": v[2]}
+
+    return {**_BIG, "diag/temperature_ratio": {"value": ratio, "low": low, "high": high},
+            "diag/pair_slope_old_on_new": est(b1), "diag/pair_slope_new_on_old_inverse": est(b2)}
+
+
+def test_temperature_needs_the_tilt_in_both_directions() -> None:
+    """Noise attenuates one slope below 1 and inflates the other above it: no temperature, whatever the ratio."""
+    (f,) = detect(_pairs(0.70, 0.69, 0.71, (1.40, 1.38, 1.42), (1.45, 1.43, 1.47)))
+    assert (f.code, f.severity) == ("GRP102", "error")
+    assert f.evidence["diag/temperature_ratio"]["value"] == 0.70 and "0.70×" in f.title
+    assert detect(_pairs(0.80, 0.75, 0.85, (0.68, 0.6, 0.76), (1.4, 1.3, 1.5))) == []
+    (f,) = detect(_pairs(0.93, 0.90, 0.96, (1.07, 1.05, 1.09), (1.08, 1.06, 1.10)))
+    # |ln 0.93| = 0.073 is past ln 1.05 = 0.049, but the interval of |ln r|, [|ln 0.96|, |ln 0.90|] =
+    # [0.041, 0.105], reaches back below it
+    assert f.severity == "inconclusive"
+    (f,) = detect(_pairs(0.90, 0.88, 0.92, (1.10, 1.08, 1.12), (1.12, 1.10, 1.14)))
+    assert f.severity == "warning"  # [0.083, 0.128]: past ln 1.05, not past ln 1.15 = 0.140
 
 
 def test_thresholds_and_evidence() -> None:
     (f,) = detect({**_BIG, "groups/zero_std_frac": 0.6})
     assert (f.code, f.category, f.severity) == ("GRP304", "no-signal", "warning")
-    assert f.evidence == {"groups/zero_std_frac": {"value": 0.6, "threshold": 0.5}}
+    assert f.evidence == {"groups/zero_std_frac": {"value": 0.6, "low": 0.6, "high": 0.6, "threshold": 0.5}}
     assert detect({**_BIG, "groups/zero_std_frac": 0.2}) == []
     (f,) = detect({**_BIG, "seq/no_eos_frac": 0.6})
     assert (f.code, f.severity) == ("GRP402", "error") and "max_completion_length" in f.fix
@@ -420,12 +498,15 @@ def test_findings_are_sorted_and_serialisable() -> None:
     assert json.loads(json.dumps([f.to_dict() for f in findings]))[0]["code"] == "GRP304"
 
 
-def test_mismatch_from_analyze_keys_alone() -> None:
-    lag0 = {"by_staleness": [{"lag": 0, "n_tokens": 1000, "abs_diff/mean": 0.1}, {"lag": 1, "n_tokens": 10}]}
-    (f,) = detect({**_BIG, **lag0})
-    assert (f.code, f.severity) == ("GRP202", "warning")  # exp(0.1) = 1.105: a lower bound of mean exp(|Δ|)
-    assert f.evidence["exp(by_staleness[lag 0].abs_diff/mean)"]["value"] == pytest.approx(math.exp(0.1))
-    (f,) = detect({**_BIG, "kl/abs_diff_mean": 0.1})
+def test_mismatch_and_its_tail() -> None:
+    """A mismatch conclusive past 1.1 is an error, and the weight tail it causes is explained by it."""
+    fig = {**_BIG, "diag/pair_scope": "lag 0",
+           "diag/pair_mult_prob_error": {"value": 1.15, "low": 1.12, "high": 1.18},
+           "diag/pair_tail_frac": {"value": 0.08, "low": 0.06, "high": 0.1}}
+    found = {f.code: f for f in detect(fig)}
+    assert found["GRP202"].severity == "error"
+    assert found["GRP203"].severity == "info" and found["GRP203"].notes[0].startswith("explained by GRP202")
+    (f,) = detect({**fig, "diag/pair_scope": "all tokens", "diag/pair_tail_frac": {"value": 0, "low": 0, "high": 0}})
     assert (f.code, f.severity) == ("GRP202", "info") and "staleness" in f.notes[0]
 
 

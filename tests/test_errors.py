@@ -474,3 +474,55 @@ def test_float32_and_float64_files_may_mix(capsys, tmp_path):
     metrics = json.loads(out)["metrics"]
     assert metrics["n_sequences"] == 12
     assert metrics["kl/k3"] == pytest.approx(policy_reference(data)["kl/k3"], rel=1e-5)
+
+
+def _truncated_dump(tmp_path: Path) -> tuple[Path, Path]:
+    """A directory of two files, the second cut in half (its footer gone); and a copy of the first alone."""
+    dump, alone = tmp_path / "dump", tmp_path / "alone"
+    dump.mkdir()
+    alone.mkdir()
+    first = random_sequences(12, seed=7, max_len=12, with_prox=True)  # prox_logp: compare-prox reads it too
+    write_sequences(str(dump / "a.parquet"), first)
+    write_sequences(str(alone / "a.parquet"), first)
+    write_sequences(str(dump / "b.parquet"), random_sequences(8, seed=8, max_len=12, with_prox=True))
+    data = (dump / "b.parquet").read_bytes()
+    (dump / "b.parquet").write_bytes(data[: len(data) // 2])
+    return dump, alone
+
+
+def test_truncated_file_is_an_input_error_naming_it(capsys, tmp_path):
+    dump, _ = _truncated_dump(tmp_path)
+    code, out, err = run(capsys, "analyze", dump, "-f", "json")
+    assert code == 2 and not out
+    assert "b.parquet" in one_error_line(err) and "not a readable Parquet file" in err
+
+
+@pytest.mark.parametrize("command", [("analyze",), ("compare-prox",)])
+def test_truncated_file_is_skipped_with_a_count_under_on_invalid_skip(capsys, tmp_path, command):
+    dump, alone = _truncated_dump(tmp_path)
+    code, out, err = run(capsys, *command, dump, "-f", "json", "--on-invalid", "skip")
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if "not readable Parquet" in line]
+    assert len(warnings) == 1 and "Traceback" not in err
+    assert warnings[0].startswith("grpo-cli: warning: skipped 1 of 2 files as not readable Parquet")
+    assert "b.parquet" in warnings[0] and "a.parquet" not in warnings[0]
+    # The figures are those of the readable file alone.
+    code, expected, _ = run(capsys, *command, alone, "-f", "json", "--on-invalid", "skip")
+    assert code == 0
+    assert json.loads(out)["metrics"] == json.loads(expected)["metrics"]
+
+
+def test_only_truncated_files_stay_an_input_error_under_skip(capsys, tmp_path):
+    dump, _ = _truncated_dump(tmp_path)
+    (dump / "a.parquet").unlink()
+    code, out, err = run(capsys, "analyze", dump, "--on-invalid", "skip")
+    assert code == 2 and not out and "b.parquet" in one_error_line(err)
+
+
+def test_check_stays_strict_on_a_truncated_file_unless_skip_is_asked(capsys, tmp_path):
+    # check's own default reads invalid rows as skip plus a failing rule; an unreadable file stays exit 2.
+    dump, _ = _truncated_dump(tmp_path)
+    code, _, err = run(capsys, "check", dump)
+    assert code == 2 and "b.parquet" in one_error_line(err)
+    code, _, err = run(capsys, "check", dump, "--on-invalid", "skip")
+    assert code == 0 and "skipped 1 of 2 files as not readable Parquet" in err

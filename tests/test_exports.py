@@ -80,3 +80,15 @@ def test_tensorboard_without_the_extra_is_a_usage_error(capsys, tmp_path, monkey
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
     code, _, err = run(capsys, "analyze", _dump(tmp_path), "--tensorboard", tmp_path / "tb")
     assert code == 2 and "'tensorboard' extra" in err and len(err.strip().splitlines()) == 1
+
+
+def test_tensorboard_without_the_extra_fails_before_reading_the_dump(capsys, tmp_path, monkeypatch):
+    import grpo_cli.commands.analyze
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the dump was analysed before --tensorboard was checked")
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    monkeypatch.setattr(grpo_cli.commands.analyze, "analyze", must_not_run)
+    code, out, err = run(capsys, "analyze", _dump(tmp_path), "--tensorboard", tmp_path / "tb")
+    assert code == 2 and "'tensorboard' extra" in err and not out

@@ -34,6 +34,23 @@ def test_kl_values(kind, expected, device):
     assert out.item() == pytest.approx(expected, rel=1e-12)
 
 
+@pytest.mark.parametrize("x", [1.0, -1.0, 1e-6, -30.0])
+def test_k3_of_log_weight_is_e_to_the_x_minus_1_minus_x(x):
+    from grpo_cli.core.kl import k3_of_log_weight
+
+    # float64 reference: e^x − 1 − x, with the Taylor series x²/2 + x³/6 where the direct form cancels
+    expected = x * x / 2 + x**3 / 6 if abs(x) < 1e-4 else math.exp(x) - 1 - x
+    assert k3_of_log_weight(torch.tensor([x], dtype=F64)).item() == pytest.approx(expected, rel=1e-9)
+
+
+def test_kl_k3_is_k3_of_minus_delta_bit_for_bit():
+    from grpo_cli.core.kl import k3_of_log_weight, kl_from_log_ratio
+
+    delta = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 3
+    assert torch.equal(kl_from_log_ratio(delta, "k3"), torch.expm1(-delta) + delta)
+    assert torch.equal(k3_of_log_weight(delta), torch.expm1(delta) - delta)
+
+
 def test_kl_k3_gradients():
     lp = torch.tensor([0.0], dtype=F64, requires_grad=True)
     base = torch.tensor([LN2], dtype=F64, requires_grad=True)

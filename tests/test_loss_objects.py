@@ -169,6 +169,19 @@ def test_log_ratio_clamped_to_20():
     assert logps.grad.item() == 0.0
 
 
+@pytest.mark.parametrize(("convention", "bound"), [(None, 20.0), ("twinkle", 20.0), ("trl", None)])
+def test_log_ratio_clamp_by_convention(convention, bound):
+    # log-ratio 25, A = -1: -min(-e^25, -1.2) = e^25 unclamped (TRL 1.16 _compute_loss), e^20 clamped (twinkle).
+    # Gradient: d/dℓ of e^(ℓ − ℓ_old) is e^25 unclamped, 0 beyond the clamp.
+    logps = torch.tensor([[0.0]], dtype=F64, requires_grad=True)
+    old, adv, mask = torch.tensor([[-25.0]], dtype=F64), torch.tensor([[-1.0]], dtype=F64), torch.ones(1, 1)
+    num, den = grpo_family_loss_terms("grpo", logps, old, None, adv, mask, None, convention=convention)
+    expected = math.exp(25.0 if bound is None else bound)
+    assert (num / den).item() == pytest.approx(expected, rel=1e-12)
+    (num / den).backward()
+    assert logps.grad.item() == pytest.approx(math.exp(25.0) if bound is None else 0.0, rel=1e-12)
+
+
 # --- packing, alignment, ignore_index --------------------------------------------------------------------
 
 

@@ -270,6 +270,19 @@ def test_no_old_logp_leaves_only_what_exists():
     assert set(kl_families_compute(state)) == {"kl_ref/k1", "kl_ref/k2", "kl_ref/k3"}
 
 
+def test_kl_families_old_kinds_folds_only_those():
+    # analyze's KLFamiliesGroup leaves k3 out (PolicyGroup reports kl/k3); the others are unchanged by that.
+    p = pack(random_sequences(10, seed=2))
+    full, partial = kl_families_state(), kl_families_state(old_kinds=("k1", "k2"))
+    for state in (full, partial):
+        kl_families_update(state, new_logp=p["new"], old_logp=p["old"], ref_logp=p["ref"])
+    everything, some = kl_families_compute(full), kl_families_compute(partial)
+    assert "kl/k3" in everything and "kl/k3" not in some and "old_k3" not in partial
+    assert some == {key: value for key, value in everything.items() if key != "kl/k3"}
+    with pytest.raises(ValueError, match="old_kinds"):
+        kl_families_state(old_kinds=("k4",))
+
+
 def test_masked_garbage_never_reaches_a_figure():
     # The cores see valid tokens only; empty sequences (all masked) must not produce NaN in per-sequence figures.
     new = torch.tensor([-1.0, -2.0])

@@ -219,3 +219,22 @@ def test_verl_rollout_rs_hand() -> None:
     assert m["rollout_rs_seq_masked_fraction"] == 0.5
     with pytest.raises(ValueError, match="Invalid rollout_rs option"):
         verl_rollout_rs(old, roll, mask, "seq_max_k1", 2.0)
+
+
+def test_verl_gspo_caps_the_sequence_log_ratio_at_10_by_hand():
+    # One sequence, log-ratios 30 and 30 (no ±20 bound in verl's GSPO): σ = 30, capped at 10, s = e^10 on both
+    # tokens. A = −1: L1 = e^10, L2 = −(−1)·clip(s) = 1.2 → max = e^10 per token; token-mean e^10. ppo_kl = −30.
+    lp = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
+    old = torch.full((1, 2), -30.0, dtype=torch.float64)
+    adv = torch.full((1, 2), -1.0, dtype=torch.float64)
+    loss, metrics = verl_policy_loss("gspo", old, lp, adv, torch.ones(1, 2))
+    assert loss.item() == pytest.approx(math.exp(10.0), rel=1e-12)
+    assert metrics == {"pg_clipfrac": 0.0, "ppo_kl": pytest.approx(-30.0), "pg_clipfrac_lower": 0.0}
+    loss.backward()
+    assert lp.grad.tolist() == [[0.0, 0.0]]  # above the cap the clamp passes no gradient
+    # Below the cap: σ = 2, s = e^2, the straight-through gradient of ℓ − sg(ℓ): ∂/∂ℓ_t (−A·s)/2 = e^2/2 per token.
+    lp = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
+    loss, metrics = verl_policy_loss("gspo", torch.full((1, 2), -2.0, dtype=torch.float64), lp, adv, torch.ones(1, 2))
+    assert loss.item() == pytest.approx(math.exp(2.0), rel=1e-12) and metrics["pg_clipfrac"] == 0.0
+    loss.backward()
+    assert lp.grad[0].tolist() == pytest.approx([math.exp(2.0) / 2] * 2, rel=1e-12)

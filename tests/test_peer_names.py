@@ -12,6 +12,8 @@ import json
 import math
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from reference import random_sequences, write_sequences
@@ -197,6 +199,7 @@ def test_trl_figures(capsys, dump, level):
     metrics = run_json(capsys, "analyze", path, "--names", "trl", "--epsilon-high", "0.28",
                        "--importance-level", level)["metrics"]
     new, old, prox, ref, adv, mask = (padded(seqs, a) for a in ("new", "old", "prox", "ref", "advantage", "mask"))
+    adv = adv[:, 0]  # the dump holds one advantage per sequence: TRL's (B,) advantages
     check(metrics, trl_clip_ratio_metrics(new, prox, adv, mask, epsilon_low=0.2, epsilon_high=0.28,
                                           importance_sampling_level=level), "clip_ratio/")
     # TRL's CISPO cap is the absolute epsilon_high: 1 + grpo-cli's --epsilon-high
@@ -205,6 +208,31 @@ def test_trl_figures(capsys, dump, level):
     assert metrics["kl"] == pytest.approx(
         trl_logged_kl(new, prox, ref, mask, importance_sampling_level=level), **APPROX)
     check(metrics, trl_sampling_metrics(prox, old, mask)[1], "sampling/")
+
+
+def test_trl_sequence_level_clip_ratios_with_per_token_advantages(capsys, tmp_path):
+    # A per-token advantages column is TRL's (B, T) advantages: at sequence level TRL compares the sequence ratio
+    # with each token's advantage and takes token means (not one indicator per sequence at its first token).
+    rng = np.random.default_rng(11)
+    seqs = random_sequences(40, seed=9, with_prox=True, spread=0.6)
+    seqs = [dataclasses.replace(s, advantage=0.0) for s in seqs]
+    path = tmp_path / "d.parquet"
+    write_sequences(str(path), seqs)
+    per_token = [rng.normal(size=len(s.new)).astype(np.float32) for s in seqs]
+    table = pq.read_table(path)
+    table = table.set_column(table.schema.get_field_index("advantages"), "advantages",
+                             pa.array([a.tolist() for a in per_token], type=pa.list_(pa.float32())))
+    pq.write_table(table, path)
+    metrics = run_json(capsys, "analyze", path, "--names", "trl", "--importance-level", "sequence",
+                       "--epsilon", "0.05")["metrics"]
+    new, prox, mask = (padded(seqs, a) for a in ("new", "prox", "mask"))
+    width = new.shape[1]
+    adv = torch.tensor([list(a) + [0.0] * (width - len(a)) for a in per_token])
+    expected = trl_clip_ratio_metrics(new, prox, adv, mask, epsilon_low=0.05, importance_sampling_level="sequence")
+    check(metrics, expected, "clip_ratio/")
+    # the token means differ from the per-sequence reading (advantage at each sequence's first token)
+    first = trl_clip_ratio_metrics(new, prox, adv[:, 0], mask, epsilon_low=0.05, importance_sampling_level="sequence")
+    assert abs(first["low_mean"] - expected["low_mean"]) > 1e-3
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])

@@ -233,3 +233,16 @@ def test_prepend_slot_by_hand(device):
     out, cu = prepend_slot(torch.tensor([1, 2, 3], device=device), torch.tensor([0, 2, 2, 3], device=device), -1)
     assert out.tolist() == [-1, 1, 2, -1, -1, 3]
     assert cu.tolist() == [0, 3, 4, 6]
+
+
+def test_schema_help_describes_its_own_preset_option():
+    # schema reads no dump: its --preset shows a map, it does not read with one (the reading commands' help).
+    from typer.testing import CliRunner
+
+    from grpo_cli.cli import app
+
+    schema = " ".join(CliRunner().invoke(app, ["schema", "--help"], env={"COLUMNS": "200"}).output.split())
+    analyze = " ".join(CliRunner().invoke(app, ["analyze", "--help"], env={"COLUMNS": "200"}).output.split())
+    assert "Read a dump written with a framework's own tensor names" in analyze
+    assert "Read a dump written" not in schema
+    assert "Also show this framework's column map" in schema

@@ -163,6 +163,21 @@ def test_every_section_and_chart_is_there(sample_page):
     assert "Rows with identical values are merged" in html
 
 
+def test_all_figures_lists_the_top_tokens_as_lines_not_json(sample_page):
+    html = sample_page.decode("utf-8")
+    figures = re.search(r'<h2 id="figures">.*?<h2', html, re.S)
+    assert figures is not None
+    row = re.search(r'<td class="key">top_kl</td><td colspan="2"><pre class="mono">(.*?)</pre>', figures.group(0), re.S)
+    assert row is not None
+    lines = row.group(1).splitlines()
+    # the five distinct tokens of the sample's top ten (analyze --format json top_kl), duplicates on one line
+    assert lines[0] == "rollouts.parquet row 3708, position 5: kl 10.46, ratio 14.1, new_logp -0.8258, old_logp -3.472"
+    assert len(lines) == 5 and lines[3].startswith("rollouts.parquet row 5914, 5917–5918, position 5: kl 3.764")
+    assert '{&#34;file' not in figures.group(0) and '{"file"' not in figures.group(0)
+    assert re.search(r'<td class="key">top_ratio</td><td colspan="2"><pre class="mono">rollouts.parquet row ',
+                     figures.group(0))
+
+
 def test_page_is_offline(sample_page):
     html = sample_page.decode("utf-8")
     outside_data = DATA.sub("", html)

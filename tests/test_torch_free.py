@@ -73,3 +73,36 @@ def test_validation_constants_match_the_core():
 
     assert LOGP_TOLERANCE == POSITIVE_LOGP_TOLERANCE
     assert (*LOGP_COLUMNS, "teacher_logp") == LOGP_COLUMNS_CHECKED
+
+
+def test_constants_module_is_torch_free():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    probe = "import sys, grpo_cli._constants; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120,
+                          check=False)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+@pytest.mark.parametrize(("module", "function", "config"), [
+    ("grpo_cli.cli._analyze", "analyze", "grpo_cli.metrics.config:AnalyzeConfig"),
+    ("grpo_cli.cli._analyze", "compare_prox", "grpo_cli.metrics.prox:CompareProxConfig"),
+    ("grpo_cli.cli._diff", "diff", "grpo_cli.commands.diff:DiffConfig"),
+])
+def test_cli_defaults_are_the_config_defaults(module, function, config):
+    # config_from hands an option to the config field of the same name: their defaults must be one value.
+    import dataclasses
+    import importlib
+    import inspect
+
+    command = getattr(importlib.import_module(module), function)
+    config_module, config_name = config.split(":")
+    fields = {f.name: f for f in dataclasses.fields(getattr(importlib.import_module(config_module), config_name))}
+    compared = 0
+    for name, parameter in inspect.signature(command).parameters.items():
+        field = fields.get(name)
+        if field is None or field.default is dataclasses.MISSING or name in ("names",):
+            continue  # names: the CLI's "grpo-cli" is the config's None (both mean grpo-cli's own keys)
+        assert parameter.default == field.default, f"{function} --{name}: CLI {parameter.default!r}, config " \
+                                                   f"{field.default!r}"
+        compared += 1
+    assert compared >= 5

@@ -18,7 +18,7 @@ from grpo_cli.cli._app import STATE, app
 from grpo_cli.errors import EXIT_ERROR, GrpoCliError
 
 # isort: off
-from grpo_cli.cli import _analyze, _diff, _gate, _data  # noqa: F401  # register the commands, in the order --help lists
+from grpo_cli.cli import _analyze, _diff, _check_report, _dump_tools, _explain  # noqa: F401  # register the commands, in the order --help lists
 # isort: on
 
 __all__ = ["app", "main", "run"]

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
 from grpo_cli._choices import PROX_APPROX_METHODS
+from grpo_cli._constants import (
+    DEFAULT_BETA,
+    DEFAULT_DISTILL_WEIGHT,
+    DEFAULT_EPSILON,
+    DEFAULT_IS_THRESHOLD,
+    DEFAULT_MAX_COMPLETION_LENGTH,
+    DEFAULT_RL_WEIGHT,
+    DEFAULT_TAU_POS,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_VLLM_IS_CLIP_MAX,
+    DEFAULT_VLLM_IS_MODE,
+)
 from grpo_cli.cli._app import app
 from grpo_cli.cli._options import (
     DEFAULT_BATCH_TOKENS,
@@ -58,12 +70,6 @@ from grpo_cli.cli._options import (
     with_options,
     write_result,
 )
-from grpo_cli.errors import UsageError
-
-if TYPE_CHECKING:
-    from rich.console import Console
-
-    from grpo_cli.engine.run import AnalysisResult
 
 __all__ = ["analyze", "compare_prox"]
 
@@ -72,10 +78,11 @@ __all__ = ["analyze", "compare_prox"]
 def analyze(
     ctx: typer.Context,
     paths: PathsArg,
-    epsilon: EpsilonOpt = 0.2,
+    epsilon: EpsilonOpt = DEFAULT_EPSILON,
     epsilon_high: EpsilonHighOpt = None,
-    temperature: TemperatureOpt = 1.0,
-    top_k: Annotated[int, typer.Option("--top-k", help="Report the k highest-KL tokens (0: off).")] = 10,
+    temperature: TemperatureOpt = DEFAULT_TEMPERATURE,
+    top_k: Annotated[int, typer.Option("--top-k", help="Report the k highest-KL tokens (0: off).")
+    ] = DEFAULT_TOP_K,
     batch_tokens: BatchTokensOpt = DEFAULT_BATCH_TOKENS,
     device: DeviceOpt = "cpu",
     output_format: FormatOpt = "table",
@@ -93,12 +100,13 @@ def analyze(
         typer.Option("--loss", help="Loss to report (repeatable): grpo, gspo, sapo, cispo, bnpo, dr_grpo, ppo."),
     ] = None,
     c_clip: CClipOpt = None,
-    beta: Annotated[float, typer.Option("--beta", help="KL penalty coefficient of the GRPO-family losses.")] = 0.0,
-    tau_pos: Annotated[float, typer.Option("--tau-pos", help="SAPO gate temperature for A > 0.")] = 1.0,
+    beta: Annotated[float, typer.Option("--beta", help="KL penalty coefficient of the GRPO-family losses.")
+    ] = DEFAULT_BETA,
+    tau_pos: Annotated[float, typer.Option("--tau-pos", help="SAPO gate temperature for A > 0.")] = DEFAULT_TAU_POS,
     tau_neg: Annotated[float | None, typer.Option("--tau-neg", help="SAPO gate temperature for A < 0.")] = None,
     max_completion_length: Annotated[
         int, typer.Option("--max-completion-length", help="Dr.GRPO's fixed normaliser.")
-    ] = 1024,
+    ] = DEFAULT_MAX_COMPLETION_LENGTH,
     importance_level: ImportanceLevelOpt = "token",
     rs_level: RsLevelOpt = None,
     rs_action: RsActionOpt = None,
@@ -108,17 +116,17 @@ def analyze(
     rs_lower: RsLowerOpt = None,
     on_invalid: OnInvalidOpt = "error",
     kl_clamp: KlClampOpt = None,
-    is_threshold: IsThresholdOpt = 2.0,
+    is_threshold: IsThresholdOpt = DEFAULT_IS_THRESHOLD,
     m2_threshold: Annotated[
         float | None, typer.Option("--m2-threshold", help="M2PO threshold on the mean (old - prox)^2 (default: off).")
     ] = None,
     current_version: CurrentVersionOpt = None,
     distill_weight: Annotated[
         float, typer.Option("--distill-weight", help="AReaL distill_loss_weight w_d of loss/kd (teacher_logp).")
-    ] = 0.005,
+    ] = DEFAULT_DISTILL_WEIGHT,
     rl_weight: Annotated[
         float, typer.Option("--rl-weight", help="AReaL rl_loss_weight; 0 selects the importance-sampled loss/kd.")
-    ] = 1.0,
+    ] = DEFAULT_RL_WEIGHT,
     max_new_tokens: Annotated[
         int | None,
         typer.Option("--max-new-tokens", help="Without an eos column: a response this long had no EOS "
@@ -133,8 +141,8 @@ def analyze(
     rollout_is_threshold: RolloutIsThresholdOpt = None,
     rollout_rs: RolloutRsOpt = None,
     rollout_rs_threshold: RolloutRsThresholdOpt = None,
-    vllm_is_mode: VllmIsModeOpt = "sequence_mask",
-    vllm_is_clip_max: VllmIsClipMaxOpt = 3.0,
+    vllm_is_mode: VllmIsModeOpt = DEFAULT_VLLM_IS_MODE,
+    vllm_is_clip_max: VllmIsClipMaxOpt = DEFAULT_VLLM_IS_CLIP_MAX,
     vllm_is_clip_min: VllmIsClipMinOpt = None,
     workers: WorkersOpt = None,
     executor: ExecutorOpt = "local",
@@ -166,24 +174,27 @@ def analyze(
     from grpo_cli.commands.analyze import AnalyzeConfig
     from grpo_cli.commands.analyze import analyze as run_analysis
     from grpo_cli.findings import DetectConfig
-    from grpo_cli.render.documents import analyze_document, to_csv, to_wide_csv
-    from grpo_cli.render.findings import render_findings, render_headline
-    from grpo_cli.render.tables import render_group_table, render_table
+    from grpo_cli.metrics.names import rename_result
+    from grpo_cli.render.analyze import analyze_csv, group_table_metrics, render_analyze
+    from grpo_cli.render.documents import analyze_document
 
     config = config_from(
         AnalyzeConfig, locals(), device=check_device(device),
         losses=None if not loss else tuple(name for item in loss for name in item.split(",") if name),
     )
     config.validate()
+    if tensorboard is not None:
+        from grpo_cli.render.tensorboard import export_tensorboard, require_tensorboard, with_step_split
+
+        require_tensorboard()  # a missing extra fails now, not after the whole dump has been read
     for note in config.ppo_notes():
         typer.echo(f"grpo-cli: warning: {note}", err=True)
-    dataset = open_input(paths, column_map, preset)
+    dataset = open_input(paths, column_map, preset, config.on_invalid)
     options, from_metadata = metadata_defaults(ctx, dataset.files, config)
     config = with_options(config, options)
-    # TensorBoard curves are per step: without --group-by the step split is computed for them alone.
-    by_step = tensorboard is not None and group_by is None and "step" in dataset.columns
-    if by_step:
-        config = dataclasses.replace(config, group_by="step")
+    split_added = False
+    if tensorboard is not None:
+        config, split_added = with_step_split(config, dataset.columns)
     detect = DetectConfig(max_staleness=max_staleness, prox_approximation=prox_approximation) if findings else None
     with streaming(dataset, quiet, executor) as progress:
         result = run_analysis(dataset, config, progress=progress, workers=resolve_workers(workers, device),
@@ -192,70 +203,17 @@ def analyze(
         result.config["from_metadata"] = from_metadata
     warn_skipped(result.metrics)
     if tensorboard is not None:
-        from grpo_cli.render.tensorboard import write_tensorboard
-
-        steps = result.groups if by_step or group_by == "step" else []
-        write_tensorboard(tensorboard, groups=steps, metrics=result.metrics, config=result.config,
-                          notes=[*dataset.notes, *(f"{f['code']} {f['severity']} [{f['category']}]: {f['title']}"
-                                                   for f in result.findings)])
-        if by_step:
-            result.groups = []
-            result.config["group_by"] = None
-    from grpo_cli.metrics.names import rename_result
-
+        export_tensorboard(tensorboard, result, split_added=split_added, notes=dataset.notes)
     result, labels = rename_result(result, names)
-    selected = _select_metrics(metric_names, result, defaults=[
-        next((theirs for theirs, ours in labels.items() if ours == key), key) for key in DEFAULT_GROUP_METRICS
-    ])
-
-    def draw(console: Console) -> None:
-        render_findings(console, result.findings, n_tokens=int(result.metrics.get("n_tokens", 0)),
-                        inputs=result.inputs)
-        if not all_tables:
-            render_headline(console, result.metrics, labels)
-            if group_by is not None:
-                render_group_table(console, group_by, result.groups, selected)
-            return
-        render_table(console, title="grpo-cli analyze", metrics=result.metrics, omitted=result.omitted,
-                     inputs=result.inputs, config=result.config, sources=labels)
-        if group_by is not None:
-            render_group_table(console, group_by, result.groups, selected)
-
+    selected = group_table_metrics(metric_names, result, labels)
     write_result(
         output_format,
         output,
         document=lambda: analyze_document(result, preset=preset),
-        csv=lambda: (to_wide_csv(result.metrics, result.groups if group_by is not None else None, group_by=group_by)
-                     if wide else to_csv(result.metrics, groups=result.groups if group_by is not None else None,
-                                         findings=result.findings)),
-        table=draw,
+        csv=lambda: analyze_csv(result, group_by=group_by, wide=wide),
+        table=lambda console: render_analyze(console, result, labels, group_by=group_by, metrics=selected,
+                                             all_tables=all_tables),
     )
-
-
-DEFAULT_GROUP_METRICS = ("n_valid_tokens", "kl/k3", "clip/ratio", "ratio/max", "logp/diff_mean")
-
-
-def _select_metrics(names: str | None, result: AnalysisResult, defaults: list[str] | None = None) -> list[str]:
-    """The per-group table's columns: ``--metrics`` (validated) or a default set, as far as reported."""
-    available = set(result.metrics)
-    for group in result.groups:
-        available |= set(group["metrics"])
-    if names is None:
-        return [name for name in (DEFAULT_GROUP_METRICS if defaults is None else defaults) if name in available]
-    chosen = [name.strip() for name in names.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in available]
-    if unknown:
-        import difflib
-
-        def close(name: str) -> str:
-            matches = difflib.get_close_matches(name, sorted(available), n=3, cutoff=0.6)
-            return f"'{name}' (did you mean {' or '.join(repr(m) for m in matches)}?)" if matches else f"'{name}'"
-
-        raise UsageError(f"--metrics: not reported for this dump: {', '.join(close(name) for name in unknown)}; "
-                         "--format json lists every reported key")
-    return chosen
-
-
 
 
 @app.command("compare-prox")
@@ -267,7 +225,7 @@ def compare_prox(
         typer.Option("--method", **one_of(*PROX_APPROX_METHODS, "all"),
             help="Approximation(s) to compare (repeatable; default all)."),
     ] = None,
-    epsilon: EpsilonOpt = 0.2,
+    epsilon: EpsilonOpt = DEFAULT_EPSILON,
     epsilon_high: EpsilonHighOpt = None,
     c_clip: CClipOpt = None,
     importance_level: ImportanceLevelOpt = "token",
@@ -305,7 +263,7 @@ def compare_prox(
     from grpo_cli.commands.compare_prox import compare_prox as run_compare
     from grpo_cli.core.prox import PROX_APPROX_METHODS
     from grpo_cli.render.documents import compare_prox_document, to_csv
-    from grpo_cli.render.prox import render_compare_prox_table
+    from grpo_cli.render.prox import render_compare_prox
 
     chosen = method or ["all"]
     methods = PROX_APPROX_METHODS if "all" in chosen else tuple(dict.fromkeys(chosen))
@@ -313,7 +271,7 @@ def compare_prox(
     config.validate()
     for note in config.ppo_notes():
         typer.echo(f"grpo-cli: warning: {note}", err=True)
-    dataset = open_input(paths, column_map, preset)
+    dataset = open_input(paths, column_map, preset, config.on_invalid)
     options, from_metadata = metadata_defaults(ctx, dataset.files, config)
     config = with_options(config, options)
     if current_version is not None and "current_version" in dataset.columns:
@@ -327,21 +285,10 @@ def compare_prox(
 
     result, labels = rename_result(result, names)
 
-    def draw(console: Console) -> None:
-        if labels:  # renamed keys: the plain sectioned table (the side-by-side layout needs grpo-cli's keys)
-            from grpo_cli.render.tables import render_table
-
-            render_table(console, title="grpo-cli compare-prox", metrics=result.metrics, omitted=result.omitted,
-                         inputs=result.inputs, config=result.config, sources=labels)
-            return
-        render_compare_prox_table(console, metrics=result.metrics, omitted=result.omitted, inputs=result.inputs,
-                                  config=result.config, methods=methods, recommendations=result.recommendations,
-                                  tolerance=tolerance)
-
     write_result(
         output_format,
         output,
         document=lambda: compare_prox_document(result, preset=preset),
         csv=lambda: to_csv(result.metrics),
-        table=draw,
+        table=lambda console: render_compare_prox(console, result, labels, methods=methods, tolerance=tolerance),
     )

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from grpo_cli._constants import DEFAULT_EPSILON, DEFAULT_IS_THRESHOLD, DEFAULT_TEMPERATURE
 from grpo_cli._format import format_value
 from grpo_cli.cli._app import app
 from grpo_cli.cli._options import (
@@ -95,12 +96,12 @@ def diff(
     show_all: Annotated[
         bool, typer.Option("--all", help="Table: every figure, not only the closest to noise.")
     ] = False,
-    epsilon: EpsilonOpt = 0.2,
+    epsilon: EpsilonOpt = DEFAULT_EPSILON,
     epsilon_high: EpsilonHighOpt = None,
-    temperature: TemperatureOpt = 1.0,
+    temperature: TemperatureOpt = DEFAULT_TEMPERATURE,
     c_clip: CClipOpt = None,
     importance_level: ImportanceLevelOpt = "token",
-    is_threshold: IsThresholdOpt = 2.0,
+    is_threshold: IsThresholdOpt = DEFAULT_IS_THRESHOLD,
     kl_clamp: KlClampOpt = None,
     current_version: CurrentVersionOpt = None,
     batch_tokens: BatchTokensOpt = DEFAULT_BATCH_TOKENS,
@@ -125,7 +126,7 @@ def diff(
         typer.echo(f"grpo-cli: warning: {note}", err=True)
     measured, options, used = [], [], []
     for paths, name in zip((base_paths, new_paths), labels):
-        dataset = open_input(paths, column_map, preset)
+        dataset = open_input(paths, column_map, preset, config.on_invalid)
         # Each run is measured with its own dump's recorded options where the command line gave none.
         found, reported = metadata_defaults(ctx, dataset.files, config)
         with streaming(dataset, quiet, executor) as progress:

@@ -305,12 +305,28 @@ def emit(text: str, output: Path | None) -> None:
         raise UsageError(f"--output {output}: cannot write ({exc.strerror or exc})") from None
 
 
-def open_input(paths: Sequence[str], column_map: Sequence[str] | None, preset: str | None) -> RolloutDataset:
-    """The dataset the command reads: ``paths`` with ``--map`` renames over the ``--preset``'s column map."""
+def open_input(
+    paths: Sequence[str], column_map: Sequence[str] | None, preset: str | None, on_invalid: str | None = "error"
+) -> RolloutDataset:
+    """The dataset the command reads: ``paths`` with ``--map`` renames over the ``--preset``'s column map.
+
+    With ``on_invalid="skip"`` a file that is not readable Parquet (truncated, corrupt) is left out with one warning
+    line that counts them, as invalid rows are; otherwise it is an input error naming the file (exit 2).
+    """
     from grpo_cli.io.presets import open_dataset
     from grpo_cli.io.schema import parse_column_map
 
+    skipped_note = None
+    if on_invalid == "skip":
+        from grpo_cli.engine.validate import readable_files, unreadable_warning
+
+        files, skipped = readable_files(paths)
+        skipped_note = unreadable_warning(skipped, len(files) + len(skipped))
+        if skipped:
+            paths = [str(path) for path in files]
     dataset = open_dataset(paths, parse_column_map(column_map), preset)
+    if skipped_note is not None:
+        dataset.notes.insert(0, skipped_note)
     if not is_secondary_rank():
         for note in dataset.notes:
             typer.echo(f"grpo-cli: warning: {note}", err=True)

@@ -49,6 +49,7 @@ __all__ = [
     "AdvantageCheckResult",
     "check_advantages",
     "parse_norm_spec",
+    "per_token_advantages",
 ]
 
 
@@ -209,7 +210,7 @@ def check_advantages(
         moments.load(passed([moments])["moments"])
 
     has_adv = "advantages" in dataset.columns
-    per_token_column = has_adv and _per_token_advantages(dataset)
+    per_token_column = has_adv and per_token_advantages(dataset)
     compare_all = per_token_column and not cfg.valid_only
     metrics: dict[str, Any] = {}
     omitted: dict[str, str] = {}
@@ -270,7 +271,7 @@ def _write(dataset: RolloutDataset, cfg: AdvantageCheckConfig, recompute: Recomp
         writer.close(ok)
 
 
-def _per_token_advantages(dataset: RolloutDataset) -> bool:
+def per_token_advantages(dataset: RolloutDataset) -> bool:
     """Whether the dump stores one advantage per token (a list column, or any token-per-row file)."""
     if dataset.layout is Layout.TOKEN_PER_ROW:
         return True

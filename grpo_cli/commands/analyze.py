@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
+from grpo_cli.commands.advantages import per_token_advantages
 from grpo_cli.engine.group import MetricGroup
 from grpo_cli.engine.run import AnalysisResult, run
 from grpo_cli.findings import DetectConfig, diagnose
@@ -37,6 +39,9 @@ def analyze(
         >>> round(result.metrics["kl/k3"], 4)  # doctest: +SKIP
         0.0257
     """
+    if config.peer() == "trl" and "advantages" in dataset.columns:
+        # TRL averages its sequence-level clip ratios over sequences or tokens by the advantages' shape.
+        config = dataclasses.replace(config, advantages_per_token=per_token_advantages(dataset))
     groups = default_groups() if groups is None else list(groups)
     if select:
         groups = select_groups(groups, select)  # compute only what is asked

@@ -140,6 +140,11 @@ class CheckReport:
     def exit_code(self) -> int:
         return EXIT_CHECK_FAILED if self.status is Status.FAIL and not self.warn_only else EXIT_OK
 
+    @property
+    def n_inconclusive(self) -> int:
+        """Findings whose estimate is past a warning threshold but whose interval is not (they never fail)."""
+        return sum(f["severity"] == "inconclusive" for f in self.findings)
+
     def summary(self) -> dict[str, Any]:
         return {
             "status": self.status.value,
@@ -149,6 +154,7 @@ class CheckReport:
             "n_warnings": self.count(Status.WARN),
             "n_failed": self.count(Status.FAIL),
             "n_skipped": self.count(Status.SKIPPED),
+            "n_inconclusive": self.n_inconclusive,
             "warn_only": self.warn_only,
             "rules_from": self.sources,
             "baseline": self.baseline,
@@ -165,6 +171,8 @@ class CheckReport:
         parts.append(f"{self.count(Status.PASS)} passed")
         if self.count(Status.SKIPPED):
             parts.append(f"{self.count(Status.SKIPPED)} skipped")
+        if self.n_inconclusive:
+            parts.append(f"{self.n_inconclusive} inconclusive finding(s): more data would settle them")
         word = {Status.FAIL: "FAILED", Status.WARN: "passed with warnings", Status.PASS: "passed"}[self.status]
         if self.status is Status.FAIL and self.warn_only:
             word = "FAILED (--warn-only: exit 0)"

@@ -39,15 +39,27 @@ __all__ = [
     "grpo_family_loss_terms",
     "grpo_family_per_token_loss",
     "grpo_family_valid_terms",
+    "log_ratio_clamp",
 ]
 
 # twinkle clamps the token log-ratio to ±20 before exp (and before the GSPO mean); TRL does not clamp.
 LOG_RATIO_CLAMP = 20.0
-_SEQ_MEAN = ("grpo", "gspo", "sapo")
 GRPO_CONVENTIONS: tuple[str, ...] = ("trl", "twinkle")
-"""``convention`` values of the GRPO-family functions; they only decide the default of
-``use_bias_correction_kl`` (TRL 1.16 ``GRPOConfig.use_bias_correction_kl`` defaults to True; twinkle and
-grpo-cli have no such correction)."""
+"""``convention`` values of the GRPO-family functions. ``"trl"`` makes ``use_bias_correction_kl`` default to True
+(TRL 1.16 ``GRPOConfig.use_bias_correction_kl``; twinkle and grpo-cli have no such correction) and drops the ±20
+clamp of the log-ratio (TRL 1.16 ``GRPOTrainer._compute_loss`` takes ``exp`` of the raw log-ratio); ``None`` and
+``"twinkle"`` clamp it (:data:`LOG_RATIO_CLAMP`)."""
+
+
+def log_ratio_clamp(convention: str | None) -> float | None:
+    """The bound of the log-ratio before ``exp`` under ``convention``: :data:`LOG_RATIO_CLAMP`, or ``None`` (no
+    clamp) under ``"trl"``."""
+    conv = check_convention(convention, GRPO_CONVENTIONS, "the GRPO-family loss")
+    return None if conv == "trl" else LOG_RATIO_CLAMP
+
+
+def _clamped(log_w: Tensor, bound: float | None) -> Tensor:
+    return log_w if bound is None else log_w.clamp(-bound, bound)
 
 
 def resolve_bias_correction_kl(use_bias_correction_kl: bool | None, convention: str | None) -> bool:
@@ -87,7 +99,8 @@ def grpo_family_per_token_loss(
     """Per-token loss ``L_tok`` (flat ``[N]``, working dtype, 0 off the mask) before aggregation.
 
     - log-ratio ``w = clamp(ℓ − ℓ_old, −20, 20)`` (``ℓ_old = sg(ℓ)`` when ``old_logp`` is None: ratio 1,
-      gradient kept); GSPO replaces it by the sequence mean ``Σ_t w·m / max(1, n)`` on every token.
+      gradient kept; ``convention="trl"``: not clamped, as TRL); GSPO replaces it by the sequence mean
+      ``Σ_t w·m / max(1, n)`` on every token.
     - ``grpo``/``gspo``/``bnpo``/``dr_grpo``: ``−min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A)``.
     - ``sapo``: ``−σ(τ(r − 1))·4/τ·A`` with ``τ = τ₊`` where ``A > 0`` else ``τ₋``.
     - ``cispo``: ``−sg(min(r, 1 + ε_high))·A·ℓ`` (upper cap only).
@@ -124,7 +137,7 @@ def grpo_family_per_token_loss(
     lp = _flat(logp)
     old = lp.detach() if old_logp is None else _flat(old_logp.detach())
     adv = _flat(advantages.detach())
-    log_w = fill_outside(mflat, lp - old, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_w = _clamped(fill_outside(mflat, lp - old, zero), log_ratio_clamp(convention))
     if variant == "gspo":
         # GSPO (arXiv 2507.18071; twinkle GSPOLoss): geometric-mean sequence ratio, gradient to every token.
         assert cu is not None
@@ -214,7 +227,7 @@ def grpo_family_valid_terms(
     cd = compute_dtype(logp.dtype)
     lp = logp.detach().to(cd)
     adv = advantages.detach().to(cd)
-    log_w = (lp - old_logp.detach().to(cd)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_w = _clamped(lp - old_logp.detach().to(cd), log_ratio_clamp(convention))
     kl = b * _ref_k3(lp, ref_logp.detach().to(cd)) if b > 0 and ref_logp is not None else None
     n_seq = torch.tensor(float(cu.numel() - 1), dtype=torch.float64, device=logp.device)
     n_tok = torch.tensor(float(lp.numel()), dtype=torch.float64, device=logp.device)  # Σ m with m all ones

@@ -13,11 +13,25 @@ from torch import Tensor
 
 from grpo_cli.core._loss_common import check_real, check_same_shape
 
-__all__ = ["KL_KINDS", "KL_STRAIGHT_THROUGH_KINDS", "kl_estimate", "kl_from_log_ratio"]
+__all__ = ["KL_KINDS", "KL_STRAIGHT_THROUGH_KINDS", "k3_of_log_weight", "kl_estimate", "kl_from_log_ratio"]
 
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
 KL_STRAIGHT_THROUGH_KINDS: tuple[str, ...] = ("k1+", "k2+", "k3+", "abs+")
 """verl's ``+`` kinds: the value of the base kind, the gradient of k2 (``k2+`` is plain k2)."""
+
+
+def k3_of_log_weight(log_weight: Tensor) -> Tensor:
+    """Schulman's k3 ``eˣ − 1 − x`` of ``x = log(q/p)`` at tokens sampled from ``p``: an estimate of KL(p ‖ q).
+
+    The one place k3 is written: :func:`kl_from_log_ratio` (``x = −delta``), the figures ``kl/k3`` (``x = new −
+    old``), ``kl_ref/k3`` (``x = ref − new``) and the peers' ``k3``/``kl_div_dual``/``kl`` all call it.
+    ``expm1`` keeps it accurate near ``x = 0``, where ``exp(x) − 1 − x`` cancels catastrophically.
+
+    Example:
+        >>> k3_of_log_weight(torch.tensor([1.0])).item()  # e − 1 − 1
+        0.7182817459106445
+    """
+    return torch.expm1(log_weight) - log_weight
 
 
 def kl_from_log_ratio(delta: Tensor, kind: str) -> Tensor:
@@ -34,8 +48,7 @@ def kl_from_log_ratio(delta: Tensor, kind: str) -> Tensor:
     if kind == "k2":
         return delta * delta / 2
     if kind == "k3":
-        # expm1 keeps k3 accurate near delta = 0, where exp(-d) - 1 + d cancels catastrophically.
-        return torch.expm1(-delta) + delta
+        return k3_of_log_weight(-delta)  # expm1(−d) − (−d): the same bits as expm1(−d) + d (IEEE a − (−b) = a + b)
     if kind == "abs":
         return delta.abs()
     raise ValueError(f"Unknown KL estimator '{kind}'; choose one of {KL_KINDS}")

@@ -7,12 +7,9 @@ Both read these definitions, so they can never disagree.
 
 from __future__ import annotations
 
+# Both are declared in the torch-free grpo_cli._constants (importing grpo_cli.core loads torch); re-exported here
+# under their old names.
+from grpo_cli._constants import LOGP_COLUMNS
+from grpo_cli._constants import LOGP_TOLERANCE as POSITIVE_LOGP_TOLERANCE
+
 __all__ = ["LOGP_COLUMNS", "POSITIVE_LOGP_TOLERANCE"]
-
-LOGP_COLUMNS = ("new_logp", "old_logp", "prox_logp", "ref_logp")
-"""The log-probability columns of schema v1, in the order used to report the first offender at a token."""
-
-POSITIVE_LOGP_TOLERANCE = 1e-4
-"""A log-prob counts as positive only above this: float32 ``log_softmax`` of a near-certain token can round to a
-tiny positive value (about eps·|logsumexp| ≈ 4e-6 for logits near 30), which is not a bug; a real sign error (a
-negative log-likelihood, a logit) is far larger."""

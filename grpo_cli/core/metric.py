@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from grpo_cli._constants import TWINKLE_NAMES
 from grpo_cli.core.keyed_state import all_reduce_states
 from grpo_cli.core.packing import cu_seqlens_from_lengths
 from grpo_cli.core.policy_stats import policy_stats_compute, policy_stats_state, policy_stats_update
@@ -21,16 +22,8 @@ from grpo_cli.core.state import MetricState
 
 __all__ = ["CISPOMetric", "GRPOMetric", "GSPOMetric"]
 
-_COMMON_KEYS = {
-    "logp/new_mean": "train/mean_new_logp",
-    "policy_confidence": "train/policy_confidence",
-    "logp/old_mean": "train/mean_old_logp",
-    "logp/diff_mean": "train/logp_diff_mean",
-    "kl/k3": "train/approx_kl",
-    "kl/k3_token_max": "train/token_kl_max",
-    "ratio/max": "train/token_ratio_max",
-    "entropy/mean": "train/entropy",
-}
+_CLIP = ("clip/ratio", "clip/low", "clip/high")
+_COMMON_KEYS = {key: name for key, name in TWINKLE_NAMES.items() if key not in _CLIP}
 
 
 class GRPOMetric:
@@ -58,8 +51,7 @@ class GRPOMetric:
         (0.25, 0.5)
     """
 
-    _clip_keys: ClassVar[dict[str, str]] = {"clip/ratio": "train/clip_ratio", "clip/low": "train/clip_ratio_low",
-                  "clip/high": "train/clip_ratio_high"}
+    _clip_keys: ClassVar[dict[str, str]] = {key: TWINKLE_NAMES[key] for key in _CLIP}
 
     def __init__(
         self,

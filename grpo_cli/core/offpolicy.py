@@ -79,11 +79,23 @@ def _mean(s: MetricState, num: str, den: str) -> float:
 # -- KL families ------------------------------------------------------------------------------------------------
 
 
-def kl_families_state(device: torch.device | str | None = None) -> MetricState:
-    """An empty state for :func:`kl_families_update`."""
+def kl_families_state(
+    device: torch.device | str | None = None, *, old_kinds: tuple[str, ...] = KL_FAMILY_KINDS
+) -> MetricState:
+    """An empty state for :func:`kl_families_update`.
+
+    Args:
+        device: where the state lives.
+        old_kinds: the ``kl/*`` estimators to fold (a subset of :data:`KL_FAMILY_KINDS`); the analyze group
+            leaves out ``k3``, which ``kl/k3``'s own group (``core.policy_stats``) already reports.
+    """
+    unknown = sorted(set(old_kinds) - set(KL_FAMILY_KINDS))
+    if unknown:
+        raise ValueError(f"old_kinds: unknown estimator(s) {unknown}; choose from {KL_FAMILY_KINDS}")
     specs = {"n_old": count(), "sum_abs": total(), "max_abs": maximum(), "n_ref": count()}
     for kind in KL_FAMILY_KINDS:
-        specs[f"old_{kind}"] = total()
+        if kind in old_kinds:
+            specs[f"old_{kind}"] = total()
         specs[f"ref_{kind}"] = total()
     return MetricState(specs, device)
 
@@ -115,7 +127,7 @@ def kl_families_update(
         old = working_logp(old_logp, temperature)
         # kl_estimate(a, b) works on delta = a − b: with delta = old − new = −x, k1 = −x, k2 = x²/2 and
         # k3 = e^(−delta) − 1 + delta = eˣ − 1 − x (the same bits as policy_stats' expm1(x) − x).
-        sums = {f"old_{k}": _f64sum(kl_estimate(old, new, k, clamp)) for k in KL_FAMILY_KINDS}
+        sums = {f"old_{k}": _f64sum(kl_estimate(old, new, k, clamp)) for k in KL_FAMILY_KINDS if f"old_{k}" in state}
         abs_diff = (new - old).abs()
         state.update(n_old=torch.tensor(n), sum_abs=_f64sum(abs_diff), max_abs=abs_diff.max(), **sums)
     if ref_logp is not None:
@@ -130,7 +142,7 @@ def kl_families_compute(state: MetricState) -> dict[str, Any]:
     their inputs were seen."""
     out: dict[str, Any] = {}
     if int(state["n_old"]) > 0:
-        out.update({f"kl/{k}": _mean(state, f"old_{k}", "n_old") for k in KL_FAMILY_KINDS})
+        out.update({f"kl/{k}": _mean(state, f"old_{k}", "n_old") for k in KL_FAMILY_KINDS if f"old_{k}" in state})
         out["kl/abs_diff_mean"] = _mean(state, "sum_abs", "n_old")
         out["kl/abs_diff_max"] = float(state["max_abs"])
     if int(state["n_ref"]) > 0:

@@ -19,12 +19,14 @@ from grpo_cli.core._peer_common import (
     masked_min,
     where,
 )
+from grpo_cli.core.kl import k3_of_log_weight
 from grpo_cli.core.ppo import ppo_actor_loss
 from grpo_cli.core.rejection import RejectionSamplingConfig
 
 __all__ = [
     "areal_actor_stats",
     "areal_kl_div_stats",
+    "areal_kl_div_terms",
     "areal_token_stats",
     "areal_version_stats",
 ]
@@ -49,6 +51,19 @@ def areal_token_stats(values: Tensor, mask: Tensor) -> dict[str, float]:
     return {"avg": masked_mean(v, m), "min": masked_min(v, m), "max": masked_max(v, m)}
 
 
+def areal_kl_div_terms(log_ratio: Tensor) -> dict[str, Tensor]:
+    """AReaL's per-token ``kl_div_{direct,taylor,dual}`` of ``log ρ = ℓθ − ℓ_behave``: ``−log ρ``, ``(log ρ)²/2``
+    and ``ρ − 1 − log ρ`` (``_log_proximal_approximation_stats``). The batch figures (:func:`areal_kl_div_stats`)
+    and the streaming ``--names areal`` group both call it.
+
+    Example:
+        >>> {k: round(v.item(), 4) for k, v in areal_kl_div_terms(torch.tensor([-1.0])).items()}
+        {'kl_div_direct': 1.0, 'kl_div_taylor': 0.5, 'kl_div_dual': 0.3679}
+    """
+    return {"kl_div_direct": -log_ratio, "kl_div_taylor": log_ratio * log_ratio / 2.0,
+            "kl_div_dual": k3_of_log_weight(log_ratio)}
+
+
 def areal_kl_div_stats(logprobs: Tensor, old_logp: Tensor, mask: Tensor) -> dict[str, float]:
     """AReaL's ``compute_logp/kl_div_{direct,taylor,dual}/{avg,min,max}`` (``_log_proximal_approximation_stats``).
 
@@ -66,11 +81,7 @@ def areal_kl_div_stats(logprobs: Tensor, old_logp: Tensor, mask: Tensor) -> dict
     dt = torch.promote_types(torch.promote_types(logprobs.dtype, old_logp.dtype), torch.float32)
     log_ratio = where(m, logprobs.detach().to(dt) - old_logp.detach().to(dt))
     out: dict[str, float] = {}
-    for name, v in (
-        ("kl_div_direct", -log_ratio),
-        ("kl_div_taylor", log_ratio * log_ratio / 2.0),
-        ("kl_div_dual", torch.expm1(log_ratio) - log_ratio),
-    ):
+    for name, v in areal_kl_div_terms(log_ratio).items():
         for k, x in areal_token_stats(v, m).items():
             out[f"{name}/{k}"] = x
     return out

@@ -23,7 +23,9 @@ from grpo_cli.core._peer_common import (
 from grpo_cli.core.kl import kl_estimate
 
 __all__ = [
+    "trl_bound_is_ratio",
     "trl_cispo_clip_ratio",
+    "trl_clip_indicators",
     "trl_clip_ratio_metrics",
     "trl_logged_kl",
     "trl_sampling_metrics",
@@ -71,6 +73,66 @@ def trl_logged_kl(
     return masked_mean(k3, m)
 
 
+def _trl_advantages(advantages: Tensor, log_prob: Tensor) -> Tensor:
+    """TRL's advantages as ``_compute_loss`` holds them: ``[B]`` (base GRPO, one per completion) becomes ``[B, 1]``,
+    ``[B, T]`` (a subclass's per-token advantages) stays."""
+    if not isinstance(advantages, Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(advantages).__name__}")
+    if advantages.ndim == 1:
+        if advantages.shape[0] != log_prob.shape[0]:
+            raise ValueError(f"per-sequence advantages must have shape [{log_prob.shape[0]}], got "
+                             f"{tuple(advantages.shape)}")
+        return advantages.unsqueeze(1)
+    if tuple(advantages.shape) != tuple(log_prob.shape):
+        raise ValueError(f"advantages must have shape [B] or {tuple(log_prob.shape)}, got {tuple(advantages.shape)}")
+    return advantages
+
+
+def trl_clip_indicators(
+    coef: Tensor, advantages: Tensor, epsilon_low: float, epsilon_high: float
+) -> tuple[Tensor, Tensor]:
+    """TRL's ``is_low_clipped = (coef_1 < 1 − ε_low) & (A < 0)`` and ``is_high_clipped = (coef_1 > 1 + ε_high) &
+    (A > 0)`` (``GRPOTrainer._compute_loss``), for any broadcastable shapes: the batch figures
+    (:func:`trl_clip_ratio_metrics`) and the streaming ``--names trl`` group both call it.
+
+    Example:
+        >>> low, high = trl_clip_indicators(torch.tensor([0.5, 1.5]), torch.tensor([-1.0, 1.0]), 0.2, 0.2)
+        >>> low.tolist(), high.tolist()
+        ([True, False], [False, True])
+    """
+    return (coef < 1 - epsilon_low) & (advantages < 0), (coef > 1 + epsilon_high) & (advantages > 0)
+
+
+def trl_bound_is_ratio(ratio: Tensor, mode: str, clip_min: float | None, clip_max: float | None) -> Tensor:
+    """TRL's vLLM importance-sampling ratio after its bounds (``_generate_and_score_completions``): ``*_truncate``
+    clamps to ``[clip_min, clip_max]``, ``*_mask`` sets ratios outside to 0 (a missing bound is no bound). The
+    batch figures (:func:`trl_sampling_metrics`) and the streaming ``--names trl`` group both call it.
+
+    Example:
+        >>> r = torch.tensor([0.5, 2.0, 4.0])
+        >>> trl_bound_is_ratio(r, "token_truncate", 0.6, 3.0).tolist()
+        [0.6000000238418579, 2.0, 3.0]
+        >>> trl_bound_is_ratio(r, "token_mask", 0.6, 3.0).tolist()
+        [0.0, 2.0, 0.0]
+    """
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    lo = -math.inf if clip_min is None else clip_min
+    hi = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+
+
+def _trl_indicator_means(x: Tensor, m: Tensor) -> tuple[float, Tensor]:
+    """TRL's ``global_masked_mean`` and ``masked_seq_mean`` of an indicator ``x`` (``[B, 1]`` or ``[B, T]``): a
+    ``[B, 1]`` one is one value per sequence (every row counts, the mask is not read); a wider one is masked token
+    means (``masked_seq_mean``: NaN for a row without a valid token)."""
+    if x.shape[1] == 1:
+        rows = x.to(F64).reshape(-1)
+        return (float(rows.mean()) if rows.numel() else 0.0), rows
+    n = m.sum(-1)
+    return masked_mean(x, m), row_means(x, m)[n > 0]
+
+
 def trl_clip_ratio_metrics(
     log_prob: Tensor,
     old_log_prob: Tensor,
@@ -84,11 +146,14 @@ def trl_clip_ratio_metrics(
     """TRL's ``clip_ratio/*`` for the clipped losses (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``).
 
     ``low = [coef_1 < 1 − ε_low ∧ A < 0]``, ``high = [coef_1 > 1 + ε_high ∧ A > 0]``: ``low_mean``,
-    ``high_mean``, ``region_mean`` (low ∨ high) are token means over the mask; ``low_min`` is the minimum and
-    ``high_max`` the maximum over sequences of the per-sequence token means (a sequence without valid tokens
-    gives NaN there and is skipped, TRL's ``nanmin``/``nanmax``). Under ``importance_sampling_level="sequence"``
-    ``coef_1`` is the sequence ratio, TRL keeps one value per sequence and the means run over sequences, so
-    per-token advantages are then read at each sequence's first position (TRL's ``(B, 1)`` broadcast).
+    ``high_mean``, ``region_mean`` (low ∨ high) are TRL's ``global_masked_mean`` and ``low_min``/``high_max`` the
+    ``nanmin``/``nanmax`` over sequences of its ``masked_seq_mean``. What those average over follows the shape of
+    the indicator, as in TRL 1.16 ``GRPOTrainer._compute_loss``: ``coef_1`` is ``[B, T]`` at token level and
+    ``[B, 1]`` (the sequence ratio) at sequence level; ``advantages`` is ``[B]`` (TRL's base GRPO, unsqueezed to
+    ``[B, 1]``) or ``[B, T]`` (per token). Their broadcast is ``[B, 1]`` only at sequence level with ``[B]``
+    advantages (or when ``T = 1``): the means then run over sequences, every row counting. Otherwise it is
+    ``[B, T]``, and the means are masked token means (a sequence without a valid token is NaN in
+    ``masked_seq_mean`` and skipped) — at sequence level the sequence ratio is compared with each token's advantage.
 
     Example:
         >>> lp = torch.log(torch.tensor([[1.5, 0.5]])); adv = torch.tensor([[1.0, -1.0]])
@@ -97,32 +162,20 @@ def trl_clip_ratio_metrics(
     """
     eps_lo = check_real(epsilon_low, "epsilon_low", minimum=0.0)
     eps_hi = eps_lo if epsilon_high is None else check_real(epsilon_high, "epsilon_high", minimum=0.0)
-    m, cd = prepare(log_prob, mask, old_log_prob=old_log_prob, advantages=advantages)
+    m, cd = prepare(log_prob, mask, old_log_prob=old_log_prob)
     coef = _trl_coef(log_prob.detach(), old_log_prob, m, cd, importance_sampling_level)
-    adv = advantages.detach().to(cd)
     if importance_sampling_level == "sequence":
-        coef1, adv1 = coef[:, :1], adv[:, :1]
-        low = (coef1 < 1 - eps_lo) & (adv1 < 0)
-        high = (coef1 > 1 + eps_hi) & (adv1 > 0)
-        rows = torch.ones_like(low)
-        low_seq, high_seq = low.to(F64).reshape(-1), high.to(F64).reshape(-1)
-        return {
-            "low_mean": masked_mean(low, rows),
-            "high_mean": masked_mean(high, rows),
-            "region_mean": masked_mean(low | high, rows),
-            "low_min": float(low_seq.min()) if low_seq.numel() else math.nan,
-            "high_max": float(high_seq.max()) if high_seq.numel() else math.nan,
-        }
-    low = (coef < 1 - eps_lo) & (adv < 0)
-    high = (coef > 1 + eps_hi) & (adv > 0)
-    n = m.sum(-1)
-    has = n > 0
-    low_seq = row_means(low, m)[has]
-    high_seq = row_means(high, m)[has]
+        coef = coef[:, :1]  # TRL's (B, 1) sequence ratio
+    adv = _trl_advantages(advantages, log_prob).detach().to(cd)
+    low, high = trl_clip_indicators(coef, adv, eps_lo, eps_hi)
+    low_mean, low_seq = _trl_indicator_means(low, m)
+    high_mean, high_seq = _trl_indicator_means(high, m)
+    region_mean, _ = _trl_indicator_means(low | high, m)
+    low_seq, high_seq = low_seq[~torch.isnan(low_seq)], high_seq[~torch.isnan(high_seq)]
     return {
-        "low_mean": masked_mean(low, m),
-        "high_mean": masked_mean(high, m),
-        "region_mean": masked_mean(low | high, m),
+        "low_mean": low_mean,
+        "high_mean": high_mean,
+        "region_mean": region_mean,
         "low_min": float(low_seq.min()) if low_seq.numel() else math.nan,
         "high_max": float(high_seq.max()) if high_seq.numel() else math.nan,
     }
@@ -137,11 +190,11 @@ def trl_cispo_clip_ratio(
     epsilon_high: float,
     importance_sampling_level: str = "token",
 ) -> float:
-    """TRL's ``cispo_clip_ratio``: token mean of ``[coef_1 > ε_high ∧ A > 0]``.
+    """TRL's ``cispo_clip_ratio``: ``global_masked_mean`` of ``[coef_1 > ε_high ∧ A > 0]``.
 
     TRL's CISPO caps the ratio at the absolute ``epsilon_high`` (recommended 5.0), and only a positive
-    advantage can be limited by that cap, so the indicator is gated by the advantage sign. Under
-    ``importance_sampling_level="sequence"`` the mean runs over sequences (advantage at the first position).
+    advantage can be limited by that cap, so the indicator is gated by the advantage sign. The mean runs over
+    sequences or tokens as in :func:`trl_clip_ratio_metrics` (``advantages`` ``[B]`` or ``[B, T]``).
 
     Example:
         >>> lp = torch.log(torch.tensor([[6.0, 6.0]])); adv = torch.tensor([[1.0, -1.0]])
@@ -149,12 +202,12 @@ def trl_cispo_clip_ratio(
         0.5
     """
     eps_hi = check_real(epsilon_high, "epsilon_high", minimum=0.0)
-    m, cd = prepare(log_prob, mask, old_log_prob=old_log_prob, advantages=advantages)
+    m, cd = prepare(log_prob, mask, old_log_prob=old_log_prob)
     coef = _trl_coef(log_prob.detach(), old_log_prob, m, cd, importance_sampling_level)
-    clipped = (coef > eps_hi) & (advantages.detach().to(cd) > 0)
     if importance_sampling_level == "sequence":
-        return masked_mean(clipped[:, :1], torch.ones_like(clipped[:, :1]))
-    return masked_mean(clipped, m)
+        coef = coef[:, :1]
+    clipped = (coef > eps_hi) & (_trl_advantages(advantages, log_prob).detach().to(cd) > 0)
+    return _trl_indicator_means(clipped, m)[0]
 
 
 _TRL_IS_MODES = TRL_VLLM_IS_MODES
@@ -197,13 +250,7 @@ def trl_sampling_metrics(
     diff = torch.nan_to_num(where(m, old - samp), nan=0.0)
     sequence = mode.startswith("sequence")
     log_w = diff.to(F64).sum(-1, keepdim=True).to(cd) if sequence else diff
-    ratio = torch.exp(log_w)
-    if mode.endswith("truncate"):
-        ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
-    else:
-        lo = -math.inf if clip_min is None else clip_min
-        hi = math.inf if clip_max is None else clip_max
-        ratio = ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+    ratio = trl_bound_is_ratio(torch.exp(log_w), mode, clip_min, clip_max)
     delta = (old - samp).abs()
     keep = m & ~torch.isnan(delta)
     n = int(keep.sum())

@@ -1,5 +1,6 @@
 """verl's losses, KL penalty and data metrics as it logs them (verl ``verl/trainer/ppo/core_algos.py``:
-``compute_policy_loss_vanilla``, ``compute_policy_loss_cispo``, ``agg_loss``, ``kl_penalty``;
+``compute_policy_loss_vanilla``, ``compute_policy_loss_cispo``, ``compute_policy_loss_gspo``, ``agg_loss``,
+``kl_penalty``;
 ``verl/trainer/ppo/metric_utils.py``: ``compute_data_metrics``). Re-exported by :mod:`grpo_cli.core.peer_figures`."""
 
 from __future__ import annotations
@@ -22,13 +23,18 @@ from grpo_cli.core.aggregate import aggregate_loss
 from grpo_cli.core.kl import kl_estimate
 
 __all__ = [
+    "VERL_GSPO_LOG_RATIO_MAX",
     "verl_data_metrics",
     "verl_kl_penalty",
     "verl_policy_loss",
 ]
 
 
-_VERL_LOSSES = ("vanilla", "cispo")
+_VERL_LOSSES = ("vanilla", "cispo", "gspo")
+
+VERL_GSPO_LOG_RATIO_MAX = 10.0
+"""verl's ``compute_policy_loss_gspo`` clamps the combined sequence log-ratio at this, from above only ("clamp for
+numerical stability"), and does not apply the ±20 bound of its other losses."""
 
 
 def verl_policy_loss(
@@ -45,21 +51,27 @@ def verl_policy_loss(
     rollout_is_weights: Tensor | None = None,
     convention: str | None = "verl",
 ) -> tuple[Tensor, dict[str, float]]:
-    """verl's ``vanilla`` (PPO with dual clip) and ``cispo`` policy losses and their ``actor/*`` metrics.
+    """verl's ``vanilla`` (PPO with dual clip), ``cispo`` and ``gspo`` policy losses and their ``actor/*`` metrics.
 
-    ``log r = clamp(ℓ − ℓ_old, −20, 20)``, ``r = exp(log r)``.
+    ``log r = clamp(ℓ − ℓ_old, −20, 20)``, ``r = exp(log r)`` (``vanilla``, ``cispo``).
 
     - ``vanilla`` (``compute_policy_loss_vanilla``): ``L1 = −A·r``, ``L2 = −A·clip(r, 1 − ε_l, 1 + ε_h)``,
       ``Lc = max(L1, L2)``; where ``A < 0`` the dual clip ``min(−A·c, Lc)``. Metrics ``pg_clipfrac`` =
       masked mean ``[L2 > L1]``, ``pg_clipfrac_lower`` = masked mean ``[Lc > −A·c ∧ A < 0]``.
     - ``cispo`` (``compute_policy_loss_cispo``): ``−sg(clip(r, 1 − ε_l, 1 + ε_h))·A·ℓ`` (two-sided);
       ``pg_clipfrac`` = masked mean ``[r ≠ clip(r)]``, ``pg_clipfrac_lower`` = 0.
-    - both: ``ppo_kl`` = masked mean of ``−log r`` (after the clamp); the per-token loss times
+    - ``gspo`` (``compute_policy_loss_gspo``): the sequence log-ratio ``σ = Σ_t (ℓ − ℓ_old)·m / max(n, 1)``
+      (not bounded at ±20), on every token ``log s = min(ℓ − sg(ℓ) + sg(σ), 10)`` (value σ capped at 10 from
+      above, gradient ``s`` per token below the cap and 0 above it), ``L = max(−A·s, −A·clip(s, 1 − ε_l,
+      1 + ε_h))``; ``pg_clipfrac`` = masked mean ``[L2 > L1]``, ``ppo_kl`` = masked mean of ``ℓ_old − ℓ``
+      (unclamped), ``pg_clipfrac_lower`` = 0. grpo-cli's own ``loss/gspo`` (twinkle's) clamps each token's
+      log-ratio at ±20 before the mean and has no cap at 10, so the two differ for extreme ratios.
+    - all: ``ppo_kl`` = masked mean of ``−log r`` (after the clamp; ``gspo`` above); the per-token loss times
       ``rollout_is_weights`` when given, then :func:`~grpo_cli.core.aggregate.aggregate_loss` with
       ``loss_agg_mode`` and ``convention`` (``"verl"``: the current release's ``seq-mean-token-sum-norm``).
 
     Args:
-        variant: ``"vanilla"`` or ``"cispo"``.
+        variant: ``"vanilla"``, ``"cispo"`` or ``"gspo"``.
         old_log_prob: ``[B, T]`` old log-probs.
         log_prob: ``[B, T]`` current log-probs (carry the gradient).
         advantages: ``[B, T]`` per-token advantages.
@@ -96,6 +108,36 @@ def verl_policy_loss(
     lp = where(m, log_prob.to(cd))
     old = where(m, old_log_prob.detach().to(cd))
     adv = where(m, advantages.detach().to(cd))
+    if variant == "gspo":
+        per_token, metrics = _verl_gspo_terms(lp, old, adv, m, eps_lo, eps_hi)
+    else:
+        per_token, metrics = _verl_clipped_terms(variant, lp, old, adv, m, eps_lo, eps_hi, c)
+    if rollout_is_weights is not None:
+        per_token = per_token * where(m, rollout_is_weights.detach().to(cd))
+    loss = aggregate_loss(where(m, per_token), m, loss_agg_mode, convention=convention)
+    return loss.to(log_prob.dtype), {k: metrics[k] for k in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")}
+
+
+def _verl_gspo_terms(
+    lp: Tensor, old: Tensor, adv: Tensor, m: Tensor, eps_lo: float, eps_hi: float
+) -> tuple[Tensor, dict[str, float]]:
+    """verl 0.9.1 ``compute_policy_loss_gspo``'s per-token loss and metrics (see :func:`verl_policy_loss`)."""
+    log_r = lp - old  # verl's negative_approx_kl: no ±20 bound here
+    n = m.sum(-1).clamp(min=1).to(lp.dtype)
+    seq = where(m, log_r).sum(-1) / n
+    log_s = (lp - lp.detach() + seq.detach().unsqueeze(-1)).clamp(max=VERL_GSPO_LOG_RATIO_MAX)
+    ratio = torch.exp(log_s)
+    loss1 = -adv * ratio
+    loss2 = -adv * torch.clamp(ratio, 1.0 - eps_lo, 1.0 + eps_hi)
+    metrics = {"pg_clipfrac": masked_mean((loss2 > loss1).detach(), m), "ppo_kl": masked_mean(-log_r.detach(), m),
+               "pg_clipfrac_lower": 0.0}
+    return torch.maximum(loss1, loss2), metrics
+
+
+def _verl_clipped_terms(
+    variant: str, lp: Tensor, old: Tensor, adv: Tensor, m: Tensor, eps_lo: float, eps_hi: float, c: float
+) -> tuple[Tensor, dict[str, float]]:
+    """verl 0.9.1 ``compute_policy_loss_vanilla``/``_cispo``'s per-token loss and metrics."""
     log_r = (lp - old).clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
     ratio = torch.exp(log_r)
     clipped = torch.clamp(ratio, 1.0 - eps_lo, 1.0 + eps_hi)
@@ -112,10 +154,7 @@ def verl_policy_loss(
         per_token = -clipped.detach() * adv * lp
         metrics["pg_clipfrac"] = masked_mean((ratio != clipped).detach(), m)
         metrics["pg_clipfrac_lower"] = 0.0
-    if rollout_is_weights is not None:
-        per_token = per_token * where(m, rollout_is_weights.detach().to(cd))
-    loss = aggregate_loss(where(m, per_token), m, loss_agg_mode, convention=convention)
-    return loss.to(log_prob.dtype), {k: metrics[k] for k in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")}
+    return per_token, metrics
 
 
 _VERL_KL = {

@@ -24,16 +24,45 @@ from grpo_cli.core._peer_common import (
     row_sums,
     where,
 )
+from grpo_cli.core.kl import k3_of_log_weight
 
 __all__ = [
     "VERL_RS_OPTIONS",
+    "verl_is_spread_values",
     "verl_is_threshold",
+    "verl_is_weights",
     "verl_offpolicy_metrics",
     "verl_rollout_is",
     "verl_rollout_rs",
+    "verl_rs_bounds",
+    "verl_rs_keep",
     "verl_rs_options",
+    "verl_rs_statistics",
     "verl_rs_thresholds",
 ]
+
+
+def verl_is_weights(raw: Tensor, threshold: float, threshold_lower: float | None) -> Tensor:
+    """verl's processed rollout IS weights from the raw ``w``: TIS ``min(w, C)`` without ``threshold_lower``,
+    IcePop ``w·[lower ≤ w ≤ C]`` with it (``compute_rollout_correction_weights``). The batch function
+    :func:`verl_rollout_is` and the streaming ``--names verl`` group both call it.
+
+    Example:
+        >>> w = torch.tensor([4.0, 0.25, 1.0])
+        >>> verl_is_weights(w, 2.0, None).tolist(), verl_is_weights(w, 2.0, 0.5).tolist()
+        ([2.0, 0.25, 1.0], [0.0, 0.0, 1.0])
+    """
+    if threshold_lower is None:
+        return raw.clamp(max=threshold)
+    zero = torch.zeros((), dtype=raw.dtype, device=raw.device)
+    return torch.where((raw >= threshold_lower) & (raw <= threshold), raw, zero)
+
+
+def verl_is_spread_values(raw: Tensor, weights: Tensor, threshold: float, lower: float, truncate: bool) -> Tensor:
+    """The values ``rollout_is_std`` and ``rollout_is_eff_sample_size`` are taken over: the processed weights
+    clamped to ``[0, C]`` (verl 0.8 and later, ``truncate``), or the raw ones clamped to ``[lower, C]`` (verl 0.7
+    and earlier; ``lower`` = IcePop's bound or ``1/C``)."""
+    return weights.clamp(min=0.0, max=threshold) if truncate else raw.clamp(min=lower, max=threshold)
 
 
 def verl_rollout_is(
@@ -96,7 +125,7 @@ def verl_rollout_is(
         log_for_metrics = log_ratio.to(F64).sum(-1, keepdim=True).to(cd)
         raw = torch.exp(log_for_metrics.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)).expand_as(log_ratio)
     raw = where(m, raw)
-    weights = raw.clamp(max=c) if lo_given is None else where((raw >= lo_given) & (raw <= c), raw)
+    weights = verl_is_weights(raw, c, lo_given)
     stat_w = weights if truncate else raw
     out: dict[str, float] = {"rollout_is_mean": masked_mean(stat_w, m)}
     if level == "sequence":
@@ -111,7 +140,7 @@ def verl_rollout_is(
         out["rollout_is_ratio_fraction_low"] = masked_mean(raw < lo, m)
         out["rollout_is_max"] = masked_max(stat_w, m)
         out["rollout_is_min"] = masked_min(stat_w, m)
-    v = weights.clamp(min=0.0, max=c) if truncate else raw.clamp(min=lo, max=c)
+    v = verl_is_spread_values(raw, weights, c, lo, truncate)
     mean_v = masked_mean(v, m)
     if int(m.sum()) > 1:
         out["rollout_is_std"] = math.sqrt(max(masked_mean(v.to(F64) ** 2, m) - mean_v**2, 0.0))
@@ -217,6 +246,36 @@ def verl_rs_thresholds(options: list[str], spec: str | float) -> dict[str, tuple
     return out
 
 
+def verl_rs_statistics(log_ratio: Tensor) -> dict[str, Tensor]:
+    """verl's per-token rejection statistics (``compute_rollout_rejection_mask``) of ``ℓ = clamp(train − rollout,
+    ±20)``: ``k1 = −ℓ``, ``k2 = ℓ²/2``, ``k3 = e^ℓ − 1 − ℓ``. The one place they are written: the batch function
+    :func:`verl_rollout_rs` and the streaming ``--names verl`` group both call it.
+
+    Example:
+        >>> {k: round(v.item(), 4) for k, v in verl_rs_statistics(torch.tensor([1.0])).items()}
+        {'k1': -1.0, 'k2': 0.5, 'k3': 0.7183}
+    """
+    return {"k1": -log_ratio, "k2": 0.5 * log_ratio * log_ratio, "k3": k3_of_log_weight(log_ratio)}
+
+
+def verl_rs_bounds(option: str, lower: float | None, upper: float) -> tuple[float, float]:
+    """The interval an option's statistic must lie in to keep a token: ``[log lower, log upper]`` for the k1
+    options (their statistic is a log-ratio; ``lower`` absent: 0), ``[0, upper]`` for k2/k3 (only the upper bound
+    is tested, :func:`verl_rs_keep`).
+
+    Example:
+        >>> verl_rs_bounds("token_k1", None, math.e), verl_rs_bounds("seq_mean_k3", None, 0.5)
+        ((0.0, 1.0), (0.0, 0.5))
+    """
+    k1 = option.endswith("k1")
+    return (math.log(lower) if k1 and lower is not None else 0.0), (math.log(upper) if k1 else upper)
+
+
+def verl_rs_keep(stat: Tensor, option: str, low: float, high: float) -> Tensor:
+    """Where ``option`` keeps a token: ``low ≤ stat ≤ high`` for k1, ``stat ≤ high`` for k2/k3 (verl)."""
+    return (stat >= low) & (stat <= high) if option.endswith("k1") else stat <= high
+
+
 def verl_rollout_rs(
     old_log_prob: Tensor,
     rollout_log_prob: Tensor,
@@ -265,15 +324,13 @@ def verl_rollout_rs(
         raise ValueError("response_mask must contain at least one valid token (1).")
     log_ratio = where(m, old_log_prob.detach().to(cd) - rollout_log_prob.detach().to(cd))
     log_ratio = log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
-    per_token = {"k1": -log_ratio, "k2": 0.5 * log_ratio * log_ratio, "k3": torch.expm1(log_ratio) - log_ratio}
+    per_token = verl_rs_statistics(log_ratio)
     has = m.any(-1)
     keep_all = torch.ones_like(m)
     out: dict[str, float] = {}
     for option in options:
-        lower, upper = bounds[option]
+        lo_t, hi_t = verl_rs_bounds(option, *bounds[option])
         k1 = option.endswith("k1")
-        lo_t = math.log(lower) if k1 and lower is not None else 0.0
-        hi_t = math.log(upper) if k1 else upper
         values = per_token[option[-2:]]
         if option.startswith("token"):
             stat = values
@@ -287,7 +344,7 @@ def verl_rollout_rs(
                 seq_values = where(m, values.to(F64), -math.inf).max(-1).values
                 seq_values = torch.where(torch.isinf(seq_values), torch.zeros_like(seq_values), seq_values)
             stat = seq_values.to(cd)[:, None].expand_as(values)
-        keep = (stat >= lo_t) & (stat <= hi_t) if k1 else stat <= hi_t
+        keep = verl_rs_keep(stat, option, lo_t, hi_t)
         keep_all = keep_all & keep
         p = f"rollout_rs_{option}"
         valid_seq = seq_values[has]
@@ -359,7 +416,7 @@ def verl_offpolicy_metrics(
     roll = where(m, rollout_log_prob.detach().to(cd))
     log_ratio = old - roll
     out["kl"] = masked_mean(-log_ratio, m)
-    out["k3_kl"] = masked_mean(torch.expm1(log_ratio) - log_ratio, m)
+    out["k3_kl"] = masked_mean(k3_of_log_weight(log_ratio), m)
     mu_roll = row_means(roll, m)
     out["rollout_ppl"] = float(torch.exp(-mu_roll).mean())
     out["rollout_log_ppl"] = float((-mu_roll).mean())

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grpo_cli.core.kl import k3_of_log_weight
 from grpo_cli.core.packing import lengths_from_cu_seqlens, segment_ids, segment_sum
 from grpo_cli.core.state import MetricState, count, maximum, top_rows, total
 
@@ -139,7 +140,7 @@ def policy_stats_update(
     if old_logp is not None:
         old = rescale_to_unit_temperature(old_logp, temperature)
         diff = new - old
-        k3 = torch.expm1(diff) - diff  # exp(d) − 1 − d, with expm1 for accuracy near d = 0
+        k3 = k3_of_log_weight(diff)  # exp(d) − 1 − d
         state.update(
             n_old=torch.tensor(n_valid),
             sum_old=_fsum(old),

@@ -161,9 +161,6 @@ class MetricState:
         new.values = {name: value.to(device) for name, value in self.values.items()}
         return new
 
-    def state_dict(self) -> dict[str, Tensor]:
-        return dict(self.values)
-
 
 def _combine(spec: StateSpec, current: Tensor, incoming: Tensor) -> Tensor:
     incoming = incoming.to(dtype=spec.dtype, device=current.device)

@@ -17,20 +17,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from grpo_cli._constants import LOGP_COLUMNS, LOGP_TOLERANCE
 from grpo_cli.errors import InputError
 from grpo_cli.io.storage import DumpPath, Location, open_parquet, to_path
 
 __all__ = ["CHECKS", "LOGP_COLUMNS_CHECKED", "LOGP_TOLERANCE", "Check", "check_part_files"]
 
-LOGP_TOLERANCE = 1e-4
-"""A valid token's log-prob counts as positive only above this (1e-4), and an entropy as negative only below its
-negative. float32 ``log_softmax`` of a near-certain token can round to a tiny positive value (about
-eps·|logsumexp| ≈ 4e-6 for logits near 30); a real sign error (a negative log-likelihood, a logit) is far larger.
-The same constant as the ``sanity/n_positive_logp`` count (``core.logp_sanity.POSITIVE_LOGP_TOLERANCE``, which
-``tests/test_torch_free.py`` compares), so the two never disagree; declared here because ``grpo_cli.core`` loads
-torch."""
-
-LOGP_COLUMNS_CHECKED = ("new_logp", "old_logp", "prox_logp", "ref_logp", "teacher_logp")
+LOGP_COLUMNS_CHECKED = (*LOGP_COLUMNS, "teacher_logp")
 """Every log-probability column (``core.logp_sanity.LOGP_COLUMNS`` and ``teacher_logp``): finite and
 ≤ :data:`LOGP_TOLERANCE` at valid tokens."""
 

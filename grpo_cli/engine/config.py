@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol, cast
 
 from grpo_cli._choices import IMPORTANCE_LEVELS
+from grpo_cli._constants import DEFAULT_EPSILON
 from grpo_cli.core.rejection import RejectionSamplingConfig
 from grpo_cli.errors import UsageError
 from grpo_cli.io.reader import DEFAULT_BATCH_TOKENS
@@ -95,7 +96,7 @@ class PPOOptions:
             sampling is on when any of them is set (the others take AReaL's defaults) and off otherwise.
     """
 
-    epsilon: float = 0.2
+    epsilon: float = DEFAULT_EPSILON
     epsilon_high: float | None = None
     c_clip: float | None = None
     importance_level: str = "token"

@@ -62,6 +62,7 @@ from grpo_cli.errors import InputError
 if TYPE_CHECKING:
     from grpo_cli.engine.config import StreamConfig
     from grpo_cli.io.reader import RolloutDataset
+    from grpo_cli.io.storage import DumpPath, Location
 
 __all__ = [
     "CHECKS",
@@ -71,8 +72,10 @@ __all__ = [
     "Check",
     "OnInvalid",
     "ValidationGroup",
+    "readable_files",
     "require_data",
     "skipped_warning",
+    "unreadable_warning",
     "validation_compute",
     "validation_state",
 ]
@@ -371,6 +374,49 @@ def skipped_warning(metrics: Mapping[str, Any]) -> str | None:
         f"skipped {n}{of} sequences ({tokens} tokens) as invalid ({reasons}); every figure leaves them out "
         "and the report lists them under invalid/*"
     )
+
+
+def readable_files(
+    paths: Sequence[Location],
+) -> tuple[list[DumpPath], list[tuple[DumpPath, str]]]:
+    """``--on-invalid skip`` for whole files: the files of ``paths`` (as the reader expands them) whose Parquet
+    footer can be read, and the others with why (a truncated or corrupt file: the footer is written last).
+
+    Raises:
+        InputError: no file of ``paths`` can be read (the first one's error; there is nothing to analyse).
+    """
+    import pyarrow as pa
+
+    from grpo_cli.io.reader import expand_paths
+    from grpo_cli.io.storage import open_parquet
+
+    readable: list[DumpPath] = []
+    skipped: list[tuple[DumpPath, str]] = []
+    for path in expand_paths(paths):
+        try:
+            open_parquet(path, memory_map=True)
+        except (pa.ArrowException, OSError) as exc:
+            skipped.append((path, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__))
+            continue
+        except InputError as exc:  # an object in object storage: only a bad file is skipped, not a refused request
+            if not exc.reason.startswith("not a readable Parquet file"):
+                raise
+            skipped.append((path, exc.reason))
+            continue
+        readable.append(path)
+    if not readable:
+        path, why = skipped[0]
+        raise InputError(f"not a readable Parquet file ({why}); no file of the input can be read", file=str(path))
+    return readable, skipped
+
+
+def unreadable_warning(skipped: Sequence[tuple[DumpPath, str]], n_files: int) -> str | None:
+    """The one-line stderr warning for the files :func:`readable_files` skipped, or ``None`` when it skipped none."""
+    if not skipped:
+        return None
+    shown = "; ".join(f"{path} ({why})" for path, why in skipped[:3]) + (" …" if len(skipped) > 3 else "")
+    return (f"skipped {len(skipped)} of {n_files} files as not readable Parquet (--on-invalid skip): {shown}; "
+            "every figure leaves them out")
 
 
 def require_data(metrics: Mapping[str, Any], inputs: Sequence[str] = ()) -> None:

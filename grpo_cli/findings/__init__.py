@@ -3,16 +3,17 @@
 :func:`diagnose` applies the detectors (:mod:`grpo_cli.findings.detect`: documented thresholds, confidence caps,
 causes before effects) to a streaming run's figures and its findings-only evidence (``diag/*``,
 :mod:`grpo_cli.metrics.diagnosis`); :func:`select` filters findings by code or category (``--select``/``--ignore``,
-as ruff's); :func:`explain` is the text of one code (``grpo-cli explain CODE``, the same as ``docs/findings.md``).
+as ruff's); :func:`explain` is the text of one code (``grpo-cli explain CODE``, its section of
+``docs/findings.md``), rendered from its declaration in :mod:`grpo_cli.findings.catalog`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from importlib import resources
 from typing import Any
 
 from grpo_cli.errors import UsageError
+from grpo_cli.findings.catalog import RULES
 from grpo_cli.findings.detect import CATEGORIES, CODES, SEVERITIES, DetectConfig, Finding, detect, detector_inputs
 
 __all__ = [
@@ -67,33 +68,33 @@ def selected_codes(include: Sequence[str] | None = None, exclude: Sequence[str] 
 
 
 def severity_counts(findings: Sequence[Mapping[str, Any]]) -> dict[str, int]:
-    """``{"error": n, "warning": n, "info": n}``."""
+    """``{"error": n, "warning": n, "inconclusive": n, "info": n}``."""
     return {severity: sum(f["severity"] == severity for f in findings) for severity in reversed(SEVERITIES)}
 
 
 def verdict(findings: Sequence[Mapping[str, Any]], n_tokens: int) -> str:
-    """One line: ``2 problems, 1 warning in 1.2 M tokens`` (``no problem found in …`` when nothing reaches a
-    warning)."""
+    """One line: ``2 problems, 1 warning, 1 inconclusive in 1.2 M tokens`` (``no problem found in …`` only when
+    nothing reaches a warning and nothing is inconclusive)."""
     counts = severity_counts(findings)
     size = f"{n_tokens / 1e6:.1f} M tokens" if n_tokens >= 100_000 else f"{n_tokens:,} tokens"
     parts = []
-    if counts["error"]:
-        parts.append(f"{counts['error']} problem{'s' if counts['error'] != 1 else ''}")
-    if counts["warning"]:
-        parts.append(f"{counts['warning']} warning{'s' if counts['warning'] != 1 else ''}")
+    for severity, word in (("error", "problem"), ("warning", "warning"), ("inconclusive", "inconclusive")):
+        n = counts[severity]
+        if n:
+            parts.append(f"{n} {word}{'s' if n != 1 and severity != 'inconclusive' else ''}")
     if not parts:
         note = f" ({counts['info']} note{'s' if counts['info'] != 1 else ''})" if counts["info"] else ""
         return f"no problem found in {size}{note}"
+    if parts == [f"{counts['inconclusive']} inconclusive"]:
+        return f"no conclusive problem, {parts[0]} in {size}: more data would settle it"
     return f"{', '.join(parts)} in {size}"
 
 
 def explain(code: str) -> str:
     """The documentation of ``code``: its section of ``docs/findings.md`` (what it means, why it matters, how it is
-    detected, how to fix it). Raises :class:`UsageError` for an unknown code."""
+    detected, how to fix it), rendered from its :class:`~grpo_cli.findings.catalog.Rule`. Raises
+    :class:`UsageError` for an unknown code."""
     code = code.upper()
     if code not in CODES:
         raise UsageError(f"unknown finding code '{code}' (known: {', '.join(CODES)})")
-    text = resources.files(__package__).joinpath("findings.md").read_text(encoding="utf-8")
-    start = text.index(f"\n## {code} ") + 1
-    end = text.find("\n## ", start + 1)
-    return text[start:] if end < 0 else text[start:end + 1]
+    return RULES[code].markdown()

@@ -1,5 +1,6 @@
-"""What every detector shares: the codes and categories, :class:`DetectConfig`, :class:`Finding`, and the plumbing
-that reads figures (numbers, per-step series, trends) and grades and caps severities."""
+"""What every detector shares: the codes and categories (derived from :mod:`grpo_cli.findings.catalog`),
+:class:`DetectConfig`, :class:`Finding`, and the plumbing that reads figures (numbers, per-step series, trends) and
+grades and caps severities."""
 
 from __future__ import annotations
 
@@ -8,36 +9,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from grpo_cli.findings.thresholds import MIN_FLAGGED_SEQUENCES, MIN_SEQUENCES, MIN_TOKENS
+from grpo_cli._intervals import wilson
+from grpo_cli.findings.catalog import CATEGORIES as _CATALOG_CATEGORIES
+from grpo_cli.findings.catalog import RULES
 
-SEVERITIES = ("info", "warning", "error")
-CATEGORIES = (
-    "alignment", "temperature", "truncated-sampling", "mask", "weight-sync", "mismatch", "advantage", "no-signal",
-    "reference", "duplicates", "entropy-collapse", "length-truncation", "clipping", "importance-weights",
-    "staleness", "prox-approximation",
-)
-#: code → (category, short name)
-CODES: dict[str, tuple[str, str]] = {
-    "GRP101": ("alignment", "old_logp shifted against new_logp"),
-    "GRP102": ("temperature", "behaviour and training log-probs at different temperatures"),
-    "GRP103": ("truncated-sampling", "behaviour log-probs renormalised over a truncated set"),
-    "GRP104": ("mask", "prompt or padding tokens in the loss"),
-    "GRP105": ("mask", "response tokens missing from the loss"),
-    "GRP106": ("reference", "ref_logp is not a reference policy"),
-    "GRP107": ("duplicates", "sequences counted more than once"),
-    "GRP201": ("weight-sync", "train/inference disagreement grows step by step at lag 0"),
-    "GRP202": ("mismatch", "train/inference disagreement above bf16 level"),
-    "GRP203": ("importance-weights", "heavy-tailed importance weights"),
-    "GRP204": ("staleness", "lags beyond what the run corrects"),
-    "GRP205": ("prox-approximation", "approximated proximal policy beyond its safe lag"),
-    "GRP206": ("clipping", "clip fraction signals too large an update"),
-    "GRP301": ("advantage", "advantage sign opposite to reward"),
-    "GRP302": ("advantage", "advantages not centred within groups"),
-    "GRP303": ("advantage", "advantage scale inconsistent across groups"),
-    "GRP304": ("no-signal", "most groups have zero reward variance"),
-    "GRP401": ("entropy-collapse", "entropy falls towards zero over steps"),
-    "GRP402": ("length-truncation", "many responses cut at the length limit"),
-}
+SEVERITIES = ("info", "inconclusive", "warning", "error")
+"""Least to most severe. ``inconclusive``: the statistic's estimate is past the warning threshold but its 95 %
+interval reaches back below it — more data would settle it either way; it never fails ``check``."""
+CATEGORIES: tuple[str, ...] = _CATALOG_CATEGORIES
+"""Every category, in their public order (:data:`grpo_cli.findings.catalog.CATEGORIES`)."""
+#: code → (category, short name), in code order, from the declarations (:data:`grpo_cli.findings.catalog.RULES`)
+CODES: dict[str, tuple[str, str]] = {code: (rule.category, rule.name) for code, rule in RULES.items()}
 
 
 @dataclass(frozen=True)
@@ -49,13 +31,10 @@ class DetectConfig:
             defaults to 4; AReaL's ``max_head_offpolicyness`` bounds it at rollout time).
         prox_approximation: ``"loglinear"`` or ``"linear"`` when the run uses AReaL's ``prox_logp_method``
             approximation instead of recomputing, else ``None``.
-        min_tokens, min_sequences: the small-dump limits.
     """
 
     max_staleness: int = 4
     prox_approximation: str | None = None
-    min_tokens: int = MIN_TOKENS
-    min_sequences: int = MIN_SEQUENCES
 
 
 @dataclass(frozen=True)
@@ -82,11 +61,13 @@ class Finding:
     """One diagnostic.
 
     Attributes:
-        code: stable code (``GRP101`` …), ``docs/findings.md`` explains it.
+        code: stable code (``GRP101`` …), declared in :data:`grpo_cli.findings.catalog.RULES`.
         category: one of :data:`CATEGORIES`.
         severity: ``info``, ``warning`` or ``error``.
         title: one line.
-        evidence: figure → ``{"value": …, "threshold": …}`` (and ``"ci"`` where the statistic is noisy).
+        evidence: figure → ``{"value", "low", "high", "threshold"}``: the statistic, its 95 % interval over the
+            natural unit (sequences or GRPO groups; ``low == high == value`` for a count or an exact fact) and the
+            threshold it is graded against.
         where: steps, lags, groups, and the worst sequences as ``{"file", "row", …}``.
         fix: what to change in the trainer.
         notes: why the severity was capped, if it was.
@@ -131,18 +112,83 @@ def _cap(severity: str, notes: list[str], why: str) -> str:
     return "info"
 
 
-def _few(severity: str | None, n: int, what: str) -> tuple[str, list[str]]:
-    """``severity`` (``info`` when ``None``) and its notes, capped at ``info`` when only ``n`` <
-    :data:`MIN_FLAGGED_SEQUENCES` sequences or groups (``what``) are flagged: a handful is not a pattern."""
-    notes: list[str] = []
-    severity = severity or "info"
-    if n < MIN_FLAGGED_SEQUENCES:
-        severity = _cap(severity, notes, f"only {n} {what}")
-    return severity, notes
+def _graded_fraction(
+    frac: float, n: float, warning: float, error: float | None, unit: str
+) -> tuple[str, list[str], Estimate]:
+    """A fraction of ``n`` units graded by its Wilson interval: (severity, ``info`` when below every threshold;
+    notes; the estimate). Two flagged sequences of 64 are a fraction of 3 % with an interval from 1 % to 11 %:
+    inconclusive, not a warning."""
+    est = _wilson(round(frac * n), int(n))
+    severity = _judge(est, warning, error) or "info"
+    notes = [_settle(est, warning, n, unit)] if severity == "inconclusive" else []
+    return severity, notes, est
 
 
-def _ev(value: Any, threshold: Any, **extra: Any) -> dict[str, Any]:
-    return {"value": value, "threshold": threshold, **extra}
+def _ev(value: Any, threshold: Any, low: Any = None, high: Any = None, **extra: Any) -> dict[str, Any]:
+    """An evidence entry; an exact statistic (a count, a fact of the dump) has ``low == high == value``."""
+    return {"value": value, "low": value if low is None else low, "high": value if high is None else high,
+            "threshold": threshold, **extra}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A statistic with its 95 % interval (``low``/``high`` infinite when no spread could be estimated)."""
+
+    value: float
+    low: float
+    high: float
+
+    def ev(self, threshold: Any, **extra: Any) -> dict[str, Any]:
+        return _ev(self.value, threshold, self.low, self.high, **extra)
+
+    def flipped(self) -> Estimate:
+        return Estimate(-self.value, -self.high, -self.low)
+
+
+def _estimate(fig: Mapping[str, Any], key: str) -> Estimate | None:
+    """``fig[key]`` as an :class:`Estimate`: a ``{"value", "low", "high"}`` dict, or a plain number taken as exact."""
+    v = fig.get(key)
+    if isinstance(v, Mapping):
+        value = v.get("value")
+        if isinstance(value, (int, float)) and math.isfinite(float(value)):
+            low, high = v.get("low"), v.get("high")
+            return Estimate(float(value), -math.inf if low is None else float(low),
+                            math.inf if high is None else float(high))
+        return None
+    n = _num(fig, key)
+    return None if n is None else Estimate(n, n, n)
+
+
+def _judge(est: Estimate, warning: float, error: float | None = None, *, below: bool = False) -> str | None:
+    """Severity from evidence: ``error`` when the whole interval is past ``error``, ``warning`` when it is past
+    ``warning``, ``inconclusive`` when the estimate is past ``warning`` but the interval reaches back, else
+    ``None``. ``below``: the thresholds are passed from above (smaller is worse)."""
+    if below:
+        return _judge(est.flipped(), -warning, None if error is None else -error)
+    if error is not None and est.low >= error:
+        return "error"
+    if est.low >= warning:
+        return "warning"
+    if est.value >= warning:
+        return "inconclusive"
+    return None
+
+
+def _wilson(k: int, n: int) -> Estimate:
+    """A fraction of ``n`` units (sequences, groups) with Wilson's 95 % score interval."""
+    low, high = wilson(k, n)
+    return Estimate(k / n if n else 0.0, low, high)
+
+
+def _settle(est: Estimate, threshold: float, n: float | None, unit: str) -> str:
+    """How much more data would make an estimate past ``threshold`` conclusive: the interval shrinks as 1/√n."""
+    gap, half = abs(est.value - threshold), abs(est.value - (est.low if est.value >= threshold else est.high))
+    if not math.isfinite(half) or gap <= 0:
+        return "more data would settle it"
+    factor = (half / gap) ** 2
+    if n:
+        return f"about {factor:.1f}× the data (≈ {math.ceil(n * factor):,} {unit}) would settle it"
+    return f"about {factor:.1f}× the data would settle it"
 
 
 def _sequences(rows: Any, limit: int = 5) -> list[dict[str, Any]]:
@@ -224,17 +270,8 @@ class _Ctx:
         if n_seq is None:
             n_seq = sum(r.get("n_sequences", 0) for r in fig.get("diag/by_step") or []) or None
         self.n_tokens, self.n_sequences = n_tok, n_seq
-        self.small = (n_tok is not None and n_tok < cfg.min_tokens) or (
-            n_seq is not None and n_seq < cfg.min_sequences
-        )
 
     def finish(self, f: Finding) -> Finding:
-        if self.small and f.severity != "info":
-            f.severity = _cap(
-                f.severity, f.notes,
-                f"small dump ({int(self.n_tokens or 0)} valid tokens, {int(self.n_sequences or 0)} sequences; "
-                f"limits {self.cfg.min_tokens} and {self.cfg.min_sequences})",
-            )
         return f
 
 

@@ -3,20 +3,27 @@ policy, duplicated sequences."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Any
 
 from grpo_cli.findings._base import (
     Detector,
+    Estimate,
     Finding,
     _cap,
     _Ctx,
+    _estimate,
     _ev,
-    _few,
     _grade,
+    _graded_fraction,
+    _judge,
     _max_sev,
     _num,
     _sequences,
+    _settle,
 )
+from grpo_cli.findings.catalog import RULES
 from grpo_cli.findings.thresholds import (
     DUP_CONTENT_WARNING,
     DUP_ID_ERROR,
@@ -25,16 +32,16 @@ from grpo_cli.findings.thresholds import (
     MASK_FRAC_WARNING,
     MASK_SEQ_WARNING,
     ONESIDED_ERROR,
-    ONESIDED_MIN_SHIFT,
     ONESIDED_WARNING,
     REF_EQUAL_ERROR,
     REF_EQUAL_WARNING,
     REF_ZERO_ERROR,
+    RETOK_ERROR,
+    RETOK_WARNING,
     SHIFT_SEQ_ERROR,
     SHIFT_SEQ_WARNING,
-    SLOPE_ERROR,
-    SLOPE_MIN_LAG0,
-    SLOPE_WARNING,
+    TEMPERATURE_ERROR,
+    TEMPERATURE_WARNING,
 )
 
 
@@ -48,94 +55,99 @@ def _alignment(c: _Ctx) -> list[Finding]:
     flagged = round(frac * n_seq)
     if flagged == 0:
         return []
-    sev, notes = _few(_grade(frac, SHIFT_SEQ_WARNING, SHIFT_SEQ_ERROR), flagged, "sequences prefer the shift")
+    sev, notes, est = _graded_fraction(frac, n_seq, SHIFT_SEQ_WARNING, SHIFT_SEQ_ERROR, "sequences")
     word = "late" if side > 0 else "early"
-    title = f"old_logp looks one token {word} against new_logp in {frac:.1%} of sequences"
+    title = RULES["GRP101"].title.format(side=word, frac=frac)
     ev = {
-        f"diag/shift_seq_{word}_frac": _ev(frac, SHIFT_SEQ_WARNING),
+        f"diag/shift_seq_{word}_frac": est.ev(SHIFT_SEQ_WARNING),
         "diag/shift_abs_diff_0": _ev(_num(f, "diag/shift_abs_diff_0"), None),
         f"diag/shift_abs_diff_{'p1' if side > 0 else 'm1'}": _ev(
             _num(f, f"diag/shift_abs_diff_{'p1' if side > 0 else 'm1'}"), None
         ),
     }
-    fix = (
-        "Write every per-token column with the same alignment: value t belongs to token t. Next-token-aligned "
-        "tensors (AReaL's loss inputs, OpenRLHF's action tensors, twinkle) must be un-rolled once — "
-        "RolloutWriter(alignment='next_token') or `--preset areal|openrlhf|twinkle` when reading. If only some "
-        "workers are affected, check the rollout path that fills old_logp (e.g. a response-only engine output "
-        "placed one slot off against the prompt)."
-    )
+    fix = RULES["GRP101"].fix
     return [Finding("GRP101", "alignment", sev, title, ev, {"sequences": _sequences(f.get("diag/shift_top"))},
                     fix, notes)]
 
 
+def _tilt_holds(f: Mapping[str, Any]) -> tuple[Estimate, Estimate] | None:
+    """The two one-sided slopes when both lie conclusively on the same side of 1 (a real tilt), else ``None``:
+    independent noise in either column pulls them to opposite sides (errors in variables)."""
+    b1 = _estimate(f, "diag/pair_slope_old_on_new")
+    b2 = _estimate(f, "diag/pair_slope_new_on_old_inverse")
+    if b1 is None or b2 is None:
+        return None
+    if (b1.low > 1 and b2.low > 1) or (b1.high < 1 and b2.high < 1):
+        return b1, b2
+    return None
+
+
 def _temperature(c: _Ctx) -> list[Finding]:
     f = c.fig
-    key = "diag/old_vs_new_slope"
-    if _num(f, "diag/lag0_old_vs_new_slope") is not None and (_num(f, "diag/lag0_n_tokens") or 0) >= SLOPE_MIN_LAG0:
-        key = "diag/lag0_old_vs_new_slope"
-    b = _num(f, key)
-    if b is None:
+    ratio = _estimate(f, "diag/temperature_ratio")
+    slopes = _tilt_holds(f)
+    if ratio is None or slopes is None or ratio.value <= 0 or ratio.low <= 0:
         return []
-    dev = abs(b - 1.0)
-    sev = _grade(dev, SLOPE_WARNING, SLOPE_ERROR)
+    # Graded on |ln r|, so a colder and a hotter engine of the same factor weigh the same.
+    logs = sorted((abs(math.log(ratio.low)), abs(math.log(ratio.high))))
+    dev = Estimate(abs(math.log(ratio.value)), 0.0 if ratio.low <= 1 <= ratio.high else logs[0], logs[1])
+    sev = _judge(dev, math.log1p(TEMPERATURE_WARNING), math.log1p(TEMPERATURE_ERROR))
     if sev is None:
         return []
-    t_ratio = b  # old ≈ new / T_b·T_train to first order: b ≈ T_train / T_behaviour
-    title = (
-        f"old_logp is tilted against new_logp (slope {b:.2f}): behaviour and training log-probs look computed at "
-        f"different temperatures (ratio ≈ {t_ratio:.2f})"
-    )
+    notes: list[str] = []
+    if sev == "inconclusive":
+        notes.append(_settle(dev, math.log1p(TEMPERATURE_WARNING), _num(f, "diag/pair_n_tokens"), "tokens"))
+    partner = f.get("diag/pair_partner") or "new_logp"
+    title = RULES["GRP102"].title.format(ratio=ratio.value, low=ratio.low, high=ratio.high, partner=partner,
+                                        scope=f.get("diag/pair_scope") or "lag 0")
     ev = {
-        key: _ev(b, f"|b − 1| ≥ {SLOPE_WARNING}"),
-        "diag/old_vs_new_intercept": _ev(_num(f, "diag/old_vs_new_intercept"), None),
-        "diag/old_gt_new_frac": _ev(_num(f, "diag/old_gt_new_frac"), None),
+        "diag/temperature_ratio": ratio.ev(f"outside [1/{1 + TEMPERATURE_WARNING:g}, {1 + TEMPERATURE_WARNING:g}]"),
+        "diag/pair_slope_old_on_new": slopes[0].ev(1.0),
+        "diag/pair_slope_new_on_old_inverse": slopes[1].ev(1.0),
     }
-    fix = (
-        "Score with the sampling temperature on both sides: the trainer must divide the logits by the rollout "
-        "temperature before log_softmax (AReaL `temperature` in the actor config, verl `rollout.temperature`, "
-        "TRL `temperature`, slime `--rollout-temperature`, OpenRLHF `--temperature`), and the engine must report "
-        "log-probs at that temperature (vLLM `logprobs_mode=processed_logprobs`; vLLM's default raw_logprobs are "
-        "pre-temperature; SGLang returns temperature-scaled log-probs unless SGLANG_RETURN_ORIGINAL_LOGPROB)."
-    )
-    return [Finding("GRP102", "temperature", sev, title, ev,
-                    {"sequences": _sequences(f.get("diag/old_minus_new_top"))}, fix)]
+    for key in ("diag/pair_d_likely", "diag/pair_d_unlikely"):
+        est = _estimate(f, key)
+        if est is not None:
+            ev[key] = est.ev(None)
+    return [Finding("GRP102", "temperature", sev, title, ev, {}, RULES["GRP102"].fix, notes)]
 
 
 def _truncated(c: _Ctx) -> list[Finding]:
     f = c.fig
-    frac = _num(f, "diag/onesided_seq_frac")
-    shift = _num(f, "diag/seq_old_minus_new_mean")
-    ci = _num(f, "diag/seq_old_minus_new_ci")
-    if frac is None or shift is None:
+    onesided = _estimate(f, "diag/pair_onesided")
+    lik, unl = _estimate(f, "diag/pair_d_likely"), _estimate(f, "diag/pair_d_unlikely")
+    if onesided is None or lik is None:
         return []
-    sev = _grade(frac, ONESIDED_WARNING, ONESIDED_ERROR)
-    if sev is None or shift < ONESIDED_MIN_SHIFT:
+    if lik.value <= 0 or (unl is not None and unl.value <= 0):
+        return []  # a lift on every token, not a tilt
+    sev = _judge(onesided, ONESIDED_WARNING, ONESIDED_ERROR)
+    if sev is None:
         return []
     notes: list[str] = []
-    if ci is not None and shift - ci < ONESIDED_MIN_SHIFT:
-        sev = _cap(sev, notes, f"the mean shift's 95 % interval ({shift:.3f} ± {ci:.3f}) reaches {ONESIDED_MIN_SHIFT}")
-    b = _num(f, "diag/old_vs_new_slope")
-    if b is not None and abs(b - 1.0) >= SLOPE_WARNING:
-        notes.append("the old-vs-new slope is tilted too (GRP102); a temperature mismatch also lifts confident "
-                     "tokens, so read this with GRP102")
-    title = (
-        f"old_logp sits above new_logp on nearly every token in {frac:.0%} of sequences (mean +{shift:.3f} nats): "
-        "behaviour log-probs look renormalised over a top-p/top-k set"
-    )
-    ev = {
-        "diag/onesided_seq_frac": _ev(frac, ONESIDED_WARNING),
-        "diag/seq_old_minus_new_mean": _ev(shift, ONESIDED_MIN_SHIFT, ci=ci),
-        "diag/old_gt_new_frac": _ev(_num(f, "diag/old_gt_new_frac"), None),
-    }
-    fix = (
-        "Either score the same truncated distribution in the trainer (slime replays the top-p set with "
-        "`--rollout-top-p`), or take behaviour log-probs of the full softmax (vLLM `logprobs_mode=raw_logprobs` "
-        "plus the temperature), or sample without truncation (top_p = 1, top_k = −1). An importance ratio against "
-        "renormalised log-probs is offset by log(kept mass) on every token."
-    )
-    return [Finding("GRP103", "truncated-sampling", sev, title, ev,
-                    {"sequences": _sequences(f.get("diag/old_minus_new_top"))}, fix, notes)]
+    if sev == "inconclusive":
+        notes.append(_settle(onesided, ONESIDED_WARNING, _num(f, "diag/pair_n_tokens"), "tokens"))
+    title = RULES["GRP103"].title.format(frac=onesided.value, shift=lik.value, scope=f.get("diag/pair_scope") or "")
+    ev = {"diag/pair_onesided": onesided.ev(ONESIDED_WARNING), "diag/pair_d_likely": lik.ev(0.0)}
+    if unl is not None:
+        ev["diag/pair_d_unlikely"] = unl.ev(0.0)
+    return [Finding("GRP103", "truncated-sampling", sev, title, ev, {}, RULES["GRP103"].fix, notes)]
+
+
+def _retokenization(c: _Ctx) -> list[Finding]:
+    f = c.fig
+    frac = _estimate(f, "diag/retok_seq_frac")
+    n = _num(f, "diag/retok_n_seq")
+    if frac is None or not n:
+        return []
+    sev = _judge(frac, RETOK_WARNING, RETOK_ERROR) or "info"
+    notes: list[str] = []
+    if sev == "inconclusive":
+        notes.append(_settle(frac, RETOK_WARNING, c.n_sequences, "sequences"))
+    title = RULES["GRP108"].title.format(frac=frac.value, n=int(n), tokens=int(_num(f, "diag/retok_n_tokens") or 0))
+    ev = {"diag/retok_seq_frac": frac.ev(RETOK_WARNING),
+          "diag/retok_n_tokens": _ev(int(_num(f, "diag/retok_n_tokens") or 0), None)}
+    return [Finding("GRP108", "retokenization", sev, title, ev, {"sequences": _sequences(f.get("diag/retok_top"))},
+                    RULES["GRP108"].fix, notes)]
 
 
 def _mask(c: _Ctx) -> list[Finding]:
@@ -163,13 +175,8 @@ def _mask(c: _Ctx) -> list[Finding]:
             what.append(f"{trailing:.1%} of sequences ending in a run of exact-zero log-probs (padding)")
         sev = _max_sev(sev, g or "info")
     if sev is not None:
-        title = "loss_mask covers prompt or padding tokens: " + ("; ".join(what) or "a few tokens")
-        fix = (
-            "Build loss_mask from the response positions only (1 on generated tokens including EOS, 0 on prompt "
-            "and padding): verl `response_mask`, TRL `completion_mask`, slime `loss_masks`, OpenRLHF "
-            "`action_mask`, AReaL `loss_mask` (rolled with the log-probs). Padding must be 0 in the mask, not 0.0 "
-            "log-probs under a 1."
-        )
+        title = RULES["GRP104"].title.format(what="; ".join(what) or "a few tokens")
+        fix = RULES["GRP104"].fix
         out.append(Finding("GRP104", "mask", sev, title, ev, {"sequences": _sequences(f.get("diag/mask_top"))},
                            fix))
     ev2: dict[str, dict[str, Any]] = {}
@@ -186,12 +193,8 @@ def _mask(c: _Ctx) -> list[Finding]:
         notes.append("without versions, masked tokens inside a response may be tool output (multi-turn)")
     if sev2 is not None:
         frac = missing if missing is not None else holes
-        title = f"loss_mask misses response tokens: {frac:.1%} of generated tokens are outside the loss"
-        fix = (
-            "Set loss_mask = 1 on every generated token of a kept sequence (only tool/environment output in "
-            "multi-turn rollouts and whole filtered sequences belong at 0). Check the code that edits the mask "
-            "in flight (rejection sampling, truncation masks) and dump the mask before such edits."
-        )
+        title = RULES["GRP105"].title.format(frac=frac)
+        fix = RULES["GRP105"].fix
         out.append(Finding("GRP105", "mask", sev2, title, ev2, {"sequences": _sequences(f.get("diag/mask_top"))},
                            fix, notes))
     return out
@@ -199,16 +202,29 @@ def _mask(c: _Ctx) -> list[Finding]:
 
 
 
+def _later_steps_equal(f: Mapping[str, Any]) -> tuple[dict[str, float], list[int]] | None:
+    """Per column, the fraction of valid tokens whose ``ref_logp`` equals it bitwise over the later half of the
+    steps (a reference that is the initial policy equals the policy in the first steps only), and those steps."""
+    rows = [r for r in f.get("diag/by_step") or [] if r.get("n_ref")]
+    if not rows:
+        return None
+    later = rows[len(rows) // 2:]
+    n = sum(r["n_ref"] for r in later)
+    return {other: sum(r.get(f"ref_equal_{other}", 0) for r in later) / n for other in ("new", "old", "prox")}, [
+        r["step"] for r in later]
+
+
 def _reference(c: _Ctx) -> list[Finding]:
     f = c.fig
     ev: dict[str, dict[str, Any]] = {}
     sev: str | None = None
     worst = ("", 0.0)
-    for other in ("new", "old", "prox"):
-        key = f"diag/equal_frac/{other}_ref"
-        v = _num(f, key)
+    later = _later_steps_equal(f)
+    fractions = later[0] if later else {o: _num(f, f"diag/equal_frac/{o}_ref") for o in ("new", "old", "prox")}
+    for other, v in fractions.items():
         if v is None or v < REF_EQUAL_WARNING:
             continue
+        key = f"diag/by_step[ref_equal_{other}] later half" if later else f"diag/equal_frac/{other}_ref"
         ev[key] = _ev(v, REF_EQUAL_WARNING)
         sev = _max_sev(sev, _grade(v, REF_EQUAL_WARNING, REF_EQUAL_ERROR))
         if v > worst[1]:
@@ -221,18 +237,15 @@ def _reference(c: _Ctx) -> list[Finding]:
         return []
     notes: list[str] = []
     steps = [r["step"] for r in f.get("diag/by_step") or []]
-    if worst[0] == "new" and steps and max(steps) == 0:
-        sev = _cap(sev, notes, "the dump holds step 0 only, where the policy still equals the reference")
+    if worst[0] in ("new", "prox") and steps and max(steps) <= 1:
+        sev = _cap(sev, notes, "the dump holds only the first steps, where the policy still equals the reference")
     if worst[0]:
-        title = f"ref_logp equals {worst[0]}_logp bitwise on {worst[1]:.0%} of tokens: it is not a reference policy"
+        title = RULES["GRP106"].title.format(other=worst[0], frac=worst[1],
+                                            steps="the later steps" if later else "all steps")
     else:
-        title = f"ref_logp is exactly 0 on {zero:.0%} of tokens: no reference model was run"
-    fix = (
-        "Load and run the reference model for ref_logp (verl `use_kl_loss`/`use_kl_in_reward` with a ref worker; "
-        "TRL `beta` > 0 loads it; AReaL fills zeros when no reference model is configured — write no ref_logp "
-        "then). Check that the dump writes the reference tensor, not the actor's or the engine's."
-    )
-    return [Finding("GRP106", "reference", sev, title, ev, {}, fix, notes)]
+        title = RULES["GRP106"].variants["zero"].format(frac=zero)
+    return [Finding("GRP106", "reference", sev, title, ev, {"steps": later[1] if later else []},
+                    RULES["GRP106"].fix, notes)]
 
 
 def _duplicates(c: _Ctx) -> list[Finding]:
@@ -240,21 +253,17 @@ def _duplicates(c: _Ctx) -> list[Finding]:
     id_frac, id_extra = _num(f, "diag/dup_id_frac"), _num(f, "diag/dup_id_extra")
     content = _num(f, "diag/dup_content_frac")
     where = {"sequences": f.get("diag/dup_where") or []}
-    fix = (
-        "Write each sequence once per step: one writer per rank with a distinct `rank`, no re-write after a retried "
-        "step, RolloutWriter(dedupe=True) for several forwards per sequence (PPO epochs). Deduplicate the dump "
-        "before trusting token means."
-    )
+    fix = RULES["GRP107"].fix
     if id_extra:
         sev = "error" if (id_frac or 0) >= DUP_ID_ERROR else "warning"
-        title = f"{int(id_extra)} sequences repeat a (step, seq_id) already seen ({id_frac:.1%} of sequences)"
+        title = RULES["GRP107"].title.format(n=int(id_extra), frac=id_frac)
         return [Finding("GRP107", "duplicates", sev, title,
                         {"diag/dup_id_extra": _ev(int(id_extra), 1), "diag/dup_id_frac": _ev(id_frac, DUP_ID_ERROR)},
                         where, fix)]
     if content is not None and content >= DUP_CONTENT_WARNING:
         sev = "warning" if id_frac is None else "info"
         notes = [] if id_frac is None else ["every copy has its own seq_id: identical samples of one prompt"]
-        title = f"{content:.1%} of sequences repeat another sequence's log-probs exactly"
+        title = RULES["GRP107"].variants["content"].format(frac=content)
         return [Finding("GRP107", "duplicates", sev, title,
                         {"diag/dup_content_frac": _ev(content, DUP_CONTENT_WARNING)}, where, fix, notes)]
     return []
@@ -265,7 +274,8 @@ DETECTORS = (
     Detector(_mask, ("GRP104", "GRP105"), groups=("diag/zeros",)),
     Detector(_reference, ("GRP106",), groups=("diag/equality", "diag/zeros", "diag/by_step")),
     Detector(_duplicates, ("GRP107",), groups=("diag/duplicates",)),
-    Detector(_temperature, ("GRP102",), groups=("diag/relation", "diag/lags")),
-    Detector(_truncated, ("GRP103",), groups=("diag/relation",)),
+    Detector(_retokenization, ("GRP108",), groups=("diag/pairs",)),
+    Detector(_truncated, ("GRP103",), groups=("diag/pairs",)),
+    Detector(_temperature, ("GRP102",), groups=("diag/pairs",)),
 )
 """The GRP1xx detectors, in the order :func:`~grpo_cli.findings.detect.detect` runs them."""

@@ -13,23 +13,28 @@ from grpo_cli.findings._base import (
     Finding,
     _cap,
     _Ctx,
+    _estimate,
     _ev,
     _grade,
+    _judge,
     _max_sev,
     _num,
     _sequences,
     _series,
+    _settle,
     _trend,
+    _wilson,
 )
+from grpo_cli.findings.catalog import RULES
 from grpo_cli.findings.thresholds import (
     BIG_SEQ_WARNING,
     CLIP_ERROR,
     CLIP_WARNING,
-    ESS_WARNING,
-    MIN_FLAGGED_SEQUENCES,
     MULT_ERROR_ERROR,
     MULT_ERROR_WARNING,
     PROX_BEYOND_WARNING,
+    PROX_EQUAL_ERROR,
+    PROX_EQUAL_WARNING,
     PROX_INFO_LAG,
     STALE_ERROR,
     STALE_WARNING,
@@ -98,11 +103,15 @@ def _weight_sync(c: _Ctx) -> list[Finding]:
         if t is None:
             continue
         rho, start, end = t
-        if rho < SYNC_RANK_CORR or end - start < SYNC_MIN_RISE or start <= 0:
+        if rho < SYNC_RANK_CORR or end - start < SYNC_MIN_RISE:
             continue
         if key == "lag_excess" and end - start < _median_drift(f):
             continue  # within what one version of the policy's own change explains
-        ratio = end / start
+        # A rise from the bf16 floor can fit a line that starts below 0: measure it from the smallest observed value.
+        floor = min((v for _, v, _ in series if v > 0), default=0.0)
+        if max(start, floor) <= 0:
+            continue
+        ratio = end / max(start, floor)
         sev = _grade(ratio, SYNC_RATIO_WARNING, SYNC_RATIO_ERROR)
         if sev is not None and (best is None or ratio > best[3]):
             best = (key, sev, rho, ratio, end - start, series)
@@ -111,27 +120,19 @@ def _weight_sync(c: _Ctx) -> list[Finding]:
     key, sev, rho, ratio, rise, series = best
     lag_series = _series(f, c.steps, "lag_mean", "staleness/theta_mean")
     lt = _trend(lag_series)
-    if lt is not None and lt[2] - lt[1] > SYNC_LAG_DRIFT:
+    if not key.startswith("lag0") and lt is not None and lt[2] - lt[1] > SYNC_LAG_DRIFT:
+        # A rising lag explains a rising all-lag disagreement; the lag-0 series holds no staleness by construction.
         sev = _cap(sev, notes, f"the recorded lag rises too ({lt[1]:.2f} → {lt[2]:.2f}): this may be staleness")
     if key == "abs_diff_mean":
         sev = _cap(sev, notes, "lag unknown")
     first, last = series[0][1], series[-1][1]
-    title = (
-        f"train/inference disagreement at recorded lag 0 grows step by step ({key} {first:.3f} → {last:.3f} "
-        f"nats, fitted ×{ratio:.1f}) while the recorded lag does not: the engine seems to sample with stale weights"
-    )
+    title = RULES["GRP201"].title.format(series=key, first=first, last=last, ratio=ratio)
     ev = {
         f"diag/by_step[{key}] fitted last/first": _ev(ratio, SYNC_RATIO_WARNING),
         f"diag/by_step[{key}] fitted rise": _ev(rise, SYNC_MIN_RISE),
         f"diag/by_step[{key}] rank correlation with step": _ev(rho, SYNC_RANK_CORR),
     }
-    fix = (
-        "Check the weight update of the inference engine after every optimiser step (the refit/broadcast "
-        "succeeded on every engine and rank; the version counter is bumped only after the new weights are "
-        "loaded). AReaL: `update_weights` then `set_version`; verl/slime: the rollout weight sync. A stale engine "
-        "whose version stamp advances looks exactly like this; if one worker is affected, its sequences lead "
-        "`where`."
-    )
+    fix = RULES["GRP201"].fix
     worst = sorted(series, key=lambda x: -x[1])[:5]
     where = {"steps": [s for s, _, _ in worst], "sequences": _sequences(f.get("diag/lag0_top"))}
     return [Finding("GRP201", "weight-sync", sev, title, ev, where, fix, notes)]
@@ -139,101 +140,64 @@ def _weight_sync(c: _Ctx) -> list[Finding]:
 
 def _mismatch(c: _Ctx) -> list[Finding]:
     f = c.fig
-    mult = _num(f, "diag/lag0_mult_prob_error")
-    big = _num(f, "diag/lag0_big_seq_frac")
-    n_seq0 = _num(f, "diag/lag0_n_seq") or 0
+    mult = _estimate(f, "diag/pair_mult_prob_error")
+    if mult is None:
+        return []
+    sev = _judge(mult, MULT_ERROR_WARNING, MULT_ERROR_ERROR)
+    ev = {"diag/pair_mult_prob_error": mult.ev(MULT_ERROR_WARNING)}
+    big, n_seq0 = _num(f, "diag/lag0_big_seq_frac"), int(_num(f, "diag/lag0_n_seq") or 0)
+    if big is not None and n_seq0:
+        # One broken worker among healthy ones barely moves the mean; the share of lag-0 sequences far off shows it.
+        big_est = _wilson(round(big * n_seq0), n_seq0)
+        ev["diag/lag0_big_seq_frac"] = big_est.ev(BIG_SEQ_WARNING)
+        sev = _max_sev(sev, _judge(big_est, BIG_SEQ_WARNING))
+    if sev is None:
+        return []
     notes: list[str] = []
-    ev: dict[str, dict[str, Any]] = {}
-    lag0_rows = [r for r in f.get("by_staleness") or [] if r.get("lag") == 0 and r.get("abs_diff/mean") is not None]
-    if mult is None and lag0_rows:
-        # analyze's lag-0 row gives mean |Δ|; exp(mean |Δ|) ≤ mean exp(|Δ|) (Jensen), a lower bound of the error
-        bound = math.exp(float(lag0_rows[0]["abs_diff/mean"]))
-        sev = _grade(bound, MULT_ERROR_WARNING, MULT_ERROR_ERROR)
-        if sev is None:
-            return []
-        ev["exp(by_staleness[lag 0].abs_diff/mean)"] = _ev(bound, MULT_ERROR_WARNING, note="lower bound")
-        title = f"train/inference disagreement at lag 0 is above bf16 level: exp(mean |new − old|) = {bound:.3f}"
-    elif mult is None:
-        d = _num(f, "kl/abs_diff_mean")
-        if d is None or math.exp(d) < MULT_ERROR_WARNING:
-            return []
-        ev["exp(kl/abs_diff_mean)"] = _ev(math.exp(d), MULT_ERROR_WARNING)
-        title = f"train/inference disagreement mean |new − old| = {d:.3f} nats, staleness unknown"
-        notes.append("no versions: staleness cannot be separated from numerics")
-        sev = "info"
-    else:
-        sev = _grade(mult, MULT_ERROR_WARNING, MULT_ERROR_ERROR)
-        ev["diag/lag0_mult_prob_error"] = _ev(mult, MULT_ERROR_WARNING)
-        if big is not None:
-            ev["diag/lag0_big_seq_frac"] = _ev(big, BIG_SEQ_WARNING)
-            if big >= BIG_SEQ_WARNING and round(big * n_seq0) >= MIN_FLAGGED_SEQUENCES:
-                sev = _max_sev(sev, "warning")
-        if sev is None:
-            return []
-        title = (
-            f"train/inference disagreement at lag 0 is above bf16 level: mean exp(|new − old|) = {mult:.3f}"
-            + (f", {big:.0%} of lag-0 sequences above 0.1 nats" if big else "")
-        )
-    fix = (
-        "Find the numerical difference between engine and trainer (precision bf16/fp8, attention or fused "
-        "kernels, MoE routing, a sampling parameter applied on one side) — NeMo RL's model-validation guide lists "
-        "these. Meanwhile correct for it: verl rollout correction (`rollout_is`, `rollout_is_threshold`, "
-        "`rollout_rs`), TRL `vllm_importance_sampling_correction` (`vllm_importance_sampling_mode`, "
-        "`vllm_importance_sampling_clip_max`), slime `--use-tis --tis-clip`, OpenRLHF "
-        "`enable_vllm_is_correction` (`vllm_is_correction_type`), AReaL `use_decoupled_loss` with "
-        "`rejection_sampling`."
-    )
-    return [Finding("GRP202", "mismatch", sev, title, ev, {"sequences": _sequences(f.get("diag/lag0_top"))}, fix,
-                    notes)]
+    if f.get("diag/pair_scope") == "all tokens":
+        sev = _cap(sev, notes, "no versions: staleness cannot be separated from numerics")
+    elif sev == "inconclusive":
+        notes.append(_settle(mult, MULT_ERROR_WARNING, _num(f, "diag/pair_n_tokens"), "tokens"))
+    title = RULES["GRP202"].title.format(error=mult.value, frac=big or 0.0, scope=f.get("diag/pair_scope") or "lag 0")
+    return [Finding("GRP202", "mismatch", sev, title, ev, {"sequences": _sequences(f.get("diag/lag0_top"))},
+                    RULES["GRP202"].fix, notes)]
 
 
 def _importance(c: _Ctx) -> list[Finding]:
     f = c.fig
-    hi, lo = _num(f, "is/frac_high"), _num(f, "is/frac_low")
-    ess = _num(f, "is/ess")
-    spikes = _num(f, "spikes/n_ratio_gt_1e3")
-    ev: dict[str, dict[str, Any]] = {}
-    sev: str | None = None
-    tail = None
-    lag0 = _series(f, c.steps, "lag0_tail_frac", None)
-    n_lag0 = sum(x[2] for x in lag0)
-    if n_lag0 >= c.cfg.min_tokens:
-        # With versions, the weights of stale tokens also carry the policy's own change between versions, which
-        # decoupled PPO or rejection sampling corrects by design; the lag-0 tail is the engine/trainer part alone.
-        tail = sum(x[1] * x[2] for x in lag0) / n_lag0
-        ev["diag/by_step[lag0_tail_frac]"] = _ev(tail, TAIL_WARNING)
-        sev = _grade(tail, TAIL_WARNING, TAIL_ERROR)
-    elif hi is not None and lo is not None:
-        tail = hi + lo
-        ev["is/frac_high + is/frac_low"] = _ev(tail, TAIL_WARNING)
-        sev = _grade(tail, TAIL_WARNING, TAIL_ERROR)
-    if ess is not None:
-        ev["is/ess"] = _ev(ess, ESS_WARNING)
-        sev = _max_sev(sev, _grade(ess, ESS_WARNING, below=True))
-    if spikes:
-        ev["spikes/n_ratio_gt_1e3"] = _ev(int(spikes), 1)
-        sev = _max_sev(sev, "warning")
+    tail = _estimate(f, "diag/pair_tail_frac")
+    if tail is None:
+        return []
+    sev = _judge(tail, TAIL_WARNING, TAIL_ERROR)
     if sev is None:
         return []
     notes: list[str] = []
-    n_tail = (tail or 0) * (c.n_tokens or 0)
-    if not spikes and n_tail < 10 * MIN_FLAGGED_SEQUENCES:
-        sev = _cap(sev, notes, f"only about {int(n_tail)} tail tokens")
-    title = (
-        f"importance weights exp(new − old) are heavy-tailed: {0 if tail is None else tail:.2%} of "
-        f"{'lag-0 ' if n_lag0 >= c.cfg.min_tokens else ''}tokens outside [0.5, 2]"
-        + (f", ESS {ess:.2f}" if ess is not None else "")
-    )
-    fix = (
-        "Bound the weights with truncated or masked importance sampling: verl `rollout_is` (token/sequence) with "
-        "`rollout_is_threshold` and `rollout_rs`; TRL `vllm_importance_sampling_mode` (token/sequence, "
-        "truncate/mask) with `vllm_importance_sampling_clip_max`; slime `--use-tis --tis-clip` (or icepop); "
-        "OpenRLHF `vllm_is_correction_type` tis/icepop/seq-mask-tis with `vllm_is_truncated_threshold`; AReaL "
-        "`rejection_sampling` (level, action mask/clamp, upper). Look at the worst tokens first."
-    )
+    if sev == "inconclusive":
+        notes.append(_settle(tail, TAIL_WARNING, _num(f, "diag/pair_n_tokens"), "tokens"))
+    ev = {"diag/pair_tail_frac": tail.ev(TAIL_WARNING)}
+    ess = _num(f, "is/ess")
+    if ess is not None:
+        ev["is/ess"] = _ev(ess, None)
+    title = RULES["GRP203"].title.format(frac=tail.value, scope=f.get("diag/pair_scope") or "lag 0",
+                                        partner=f.get("diag/pair_partner") or "new_logp")
     tokens = [{"file": t.get("file"), "row": t.get("row"), "position": t.get("position"), "ratio": t.get("ratio")}
               for t in (f.get("top_kl") or [])[:5]]
-    return [Finding("GRP203", "importance-weights", sev, title, ev, {"tokens": tokens}, fix, notes)]
+    return [Finding("GRP203", "importance-weights", sev, title, ev, {"tokens": tokens}, RULES["GRP203"].fix, notes)]
+
+
+def _prox_recompute(c: _Ctx) -> list[Finding]:
+    f = c.fig
+    frac = _estimate(f, "diag/prox_equal_old_seq_frac")
+    if frac is None or frac.value == 0:
+        return []
+    sev = _judge(frac, PROX_EQUAL_WARNING, PROX_EQUAL_ERROR) or "info"
+    notes: list[str] = []
+    if sev == "inconclusive":
+        notes.append(_settle(frac, PROX_EQUAL_WARNING, _num(f, "diag/prox_equal_old_n_stale"), "stale sequences"))
+    title = RULES["GRP207"].title.format(frac=frac.value)
+    ev = {"diag/prox_equal_old_seq_frac": frac.ev(PROX_EQUAL_WARNING),
+          "diag/prox_equal_old_n_stale": _ev(int(_num(f, "diag/prox_equal_old_n_stale") or 0), None)}
+    return [Finding("GRP207", "prox-approximation", sev, title, ev, {}, RULES["GRP207"].fix, notes)]
 
 
 def _lag_hist(f: Mapping[str, Any]) -> list[tuple[int, int]]:
@@ -255,17 +219,12 @@ def _staleness(c: _Ctx) -> list[Finding]:
     sev = _grade(frac, STALE_WARNING, STALE_ERROR)
     if sev is None:
         return [] if beyond == 0 else [c.finish(Finding(
-            "GRP204", "staleness", "info", f"{frac:.1%} of generated tokens have a lag above {limit}",
-            {"lag beyond max_staleness frac": _ev(frac, STALE_WARNING)}, {}, ""))]
+            "GRP204", "staleness", "info", RULES["GRP204"].variants["below"].format(frac=frac, limit=limit),
+            {"lag beyond max_staleness frac": _ev(frac, STALE_WARNING)}, {}, RULES["GRP204"].fix))]
     lag_max = max(k for k, _ in hist)
-    title = f"{frac:.0%} of generated tokens are more than {limit} versions stale (max lag {lag_max})"
+    title = RULES["GRP204"].title.format(frac=frac, limit=limit, lag_max=lag_max)
     rows = [r for r in (f.get("by_staleness") or []) if r.get("lag", -1) > limit][:5]
-    fix = (
-        "Bound the lag where samples are produced or dropped: AReaL `max_head_offpolicyness`, TRL async "
-        "`max_staleness`; or correct it: AReaL `use_decoupled_loss` (recomputed `prox_logp`) with "
-        "`rejection_sampling`, verl rollout correction (`rollout_is`, `rollout_rs`). Check that the lag the "
-        "correction assumes (`--max-staleness` here) is the run's."
-    )
+    fix = RULES["GRP204"].fix
     return [Finding("GRP204", "staleness", sev, title,
                     {"lag beyond max_staleness frac": _ev(frac, STALE_WARNING, max_staleness=limit),
                      "staleness/theta_max": _ev(lag_max, limit)},
@@ -288,16 +247,9 @@ def _prox(c: _Ctx) -> list[Finding]:
         notes.append("the run was not declared to use an approximation (DetectConfig.prox_approximation)")
     else:
         return []
-    title = (
-        f"{beyond:.0%} of stale tokens lie beyond the log-linear proximal approximation's safe lag {int(safe)} "
-        f"(max lag {int(lag_max or 0)})"
-    )
+    title = RULES["GRP205"].title.format(frac=beyond, safe_lag=int(safe), lag_max=int(lag_max or 0))
     rows = [r for r in f.get("diag/by_lag") or [] if r.get("lag", 0) > safe][:5]
-    fix = (
-        "Recompute the proximal policy (AReaL `prox_logp_method: recompute`, the default) or keep lags within the "
-        "safe lag (`max_head_offpolicyness`); `grpo-cli compare-prox` reports each method's error by lag "
-        "(`prox/<m>/max_safe_lag`). AReaL's docs advise care above about 10 steps of staleness."
-    )
+    fix = RULES["GRP205"].fix
     return [Finding("GRP205", "prox-approximation", sev, title,
                     {"diag/prox_beyond_safe_frac": _ev(beyond, PROX_BEYOND_WARNING),
                      "diag/prox_loglinear_safe_lag": _ev(int(safe), None)},
@@ -315,17 +267,11 @@ def _clipping(c: _Ctx) -> list[Finding]:
     sev = _grade(value, CLIP_WARNING, CLIP_ERROR)
     if sev is None:
         return []
-    title = f"clip fraction {value:.0%} (overall {overall if overall is None else f'{overall:.0%}'}): updates " \
-            "move the policy too far per step"
+    title = RULES["GRP206"].title.format(value=value, overall=value if overall is None else overall)
     ev = {"clip/ratio": _ev(overall, CLIP_WARNING)}
     if worst:
         ev["max over steps of clip fraction"] = _ev(worst[1], CLIP_WARNING, step=worst[0])
-    fix = (
-        "Take smaller policy steps: lower the learning rate, fewer PPO epochs/minibatches per batch (AReaL "
-        "`ppo_n_minibatches`, verl `ppo_epochs`/`ppo_mini_batch_size`, TRL `num_iterations`), or check that the "
-        "clip range matches the run (verl `clip_ratio_low/high`, AReaL `eps_clip`/`eps_clip_higher`, slime "
-        "`--eps-clip/--eps-clip-high`)."
-    )
+    fix = RULES["GRP206"].fix
     steps = sorted(series, key=lambda x: -x[1])[:5]
     return [Finding("GRP206", "clipping", sev, title, ev, {"steps": [s for s, v, _ in steps if v >= CLIP_WARNING]},
                     fix)]
@@ -334,11 +280,11 @@ def _clipping(c: _Ctx) -> list[Finding]:
 DETECTORS = (
     Detector(_weight_sync, ("GRP201",), groups=("diag/by_step", "diag/lags"),
              keys=("by_staleness", "kl/abs_diff_mean", "staleness/theta_mean")),
-    Detector(_mismatch, ("GRP202",), groups=("diag/lags",), keys=("by_staleness", "kl/abs_diff_mean")),
-    Detector(_importance, ("GRP203",), groups=("diag/by_step",),
-             keys=("is/frac_high", "is/frac_low", "is/ess", "spikes/n_ratio_gt_1e3", "top_kl")),
+    Detector(_mismatch, ("GRP202",), groups=("diag/pairs", "diag/lags")),
+    Detector(_importance, ("GRP203",), groups=("diag/pairs",), keys=("is/ess", "top_kl")),
     Detector(_staleness, ("GRP204",), groups=("diag/lags",), keys=("staleness/hist", "by_staleness")),
     Detector(_prox, ("GRP205",), groups=("diag/lags",), keys=("staleness/theta_max",)),
     Detector(_clipping, ("GRP206",), groups=("diag/by_step",), keys=("clip/ratio",)),
+    Detector(_prox_recompute, ("GRP207",), groups=("diag/pairs",)),
 )
 """The GRP2xx detectors, in the order :func:`~grpo_cli.findings.detect.detect` runs them."""

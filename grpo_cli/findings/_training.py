@@ -3,18 +3,21 @@ entropy collapse, length truncation."""
 
 from __future__ import annotations
 
+import math
+
 from grpo_cli.findings._base import (
     Detector,
     Finding,
     _cap,
     _Ctx,
     _ev,
-    _few,
     _grade,
+    _graded_fraction,
     _halves,
     _num,
     _series,
 )
+from grpo_cli.findings.catalog import RULES
 from grpo_cli.findings.thresholds import (
     ENTROPY_RATIO_ERROR,
     ENTROPY_RATIO_WARNING,
@@ -37,44 +40,34 @@ def _advantage(c: _Ctx) -> list[Finding]:
     groups = _num(f, "diag/groups_spread_n") or 0
     n_groups = _num(f, "diag/groups_n") or 0
     where_all = f.get("diag/adv_where") or []
-    fix_common = (
-        "Compute advantages per group from that group's rewards: A = (r − mean_g r)/(std_g r + ε) (TRL "
-        "`scale_rewards`, AReaL `reward_norm`/`adv_norm` with group level and group_size = samples per prompt, "
-        "OpenRLHF `group_norm`, slime grpo), with group ids that match the prompts."
-    )
     flip = _num(f, "diag/adv_sign_flip_frac")
     if flip:
-        sev, notes = _few(_grade(flip, SIGN_WARNING, 2 * SIGN_WARNING), round(flip * groups), "groups")
+        sev, notes, est = _graded_fraction(flip, groups, SIGN_WARNING, 2 * SIGN_WARNING, "groups")
         out.append(Finding(
             "GRP301", "advantage", sev,
-            f"advantages fall as rewards rise in {flip:.0%} of groups: the advantage sign is flipped",
-            {"diag/adv_sign_flip_frac": _ev(flip, SIGN_WARNING)},
+            RULES["GRP301"].title.format(frac=flip),
+            {"diag/adv_sign_flip_frac": est.ev(SIGN_WARNING)},
             {"groups": [w for w in where_all if w["problem"] == "sign"]},
-            "Check the sign convention between reward, advantage and loss (loss = −A·ratio); a reward model "
-            "returning a cost, or a negated advantage in one worker, produces this. " + fix_common, notes))
+            RULES["GRP301"].fix, notes))
     unc = _num(f, "diag/adv_uncentred_frac")
     if unc:
-        sev, notes = _few(_grade(unc, UNCENTRED_WARNING), round(unc * n_groups), "groups")
+        judged = _num(f, "diag/adv_centring_n") or n_groups
+        sev, notes, est = _graded_fraction(unc, judged, UNCENTRED_WARNING, None, "groups")
         out.append(Finding(
             "GRP302", "advantage", sev,
-            f"advantages are not centred within {unc:.0%} of groups: group boundaries do not match group_id",
-            {"diag/adv_uncentred_frac": _ev(unc, UNCENTRED_WARNING)},
+            RULES["GRP302"].title.format(frac=unc),
+            {"diag/adv_uncentred_frac": est.ev(UNCENTRED_WARNING)},
             {"groups": [w for w in where_all if w["problem"] == "uncentred"]},
-            "If the run uses a group baseline (GRPO, RLOO, Dr.GRPO), the statistics were taken over the wrong "
-            "sequences: check group_size against the samples per prompt and the order of sequences when the "
-            "batch is reshaped to [groups, group_size]. A batch-level baseline (REINFORCE++) is not centred per "
-            "group by design. " + fix_common, notes))
+            RULES["GRP302"].fix, notes))
     out_frac = _num(f, "diag/adv_scale_outlier_frac")
     if out_frac:
-        sev, notes = _few(_grade(out_frac, SCALE_WARNING), round(out_frac * groups), "groups")
+        sev, notes, est = _graded_fraction(out_frac, groups, SCALE_WARNING, None, "groups")
         out.append(Finding(
             "GRP303", "advantage", sev,
-            f"advantage scale is inconsistent across groups: {out_frac:.0%} of groups are normalised differently "
-            f"(scale exponent {_num(f, 'diag/adv_scale_exponent') or float('nan'):.2f}; −1 = group std, 0 = none)",
-            {"diag/adv_scale_outlier_frac": _ev(out_frac, SCALE_WARNING),
+            RULES["GRP303"].title.format(frac=out_frac, exponent=_num(f, "diag/adv_scale_exponent") or math.nan),
+            {"diag/adv_scale_outlier_frac": est.ev(SCALE_WARNING),
              "diag/adv_scale_exponent": _ev(_num(f, "diag/adv_scale_exponent"), "−1 or 0")},
-            {}, "Normalise every group the same way (divide by the group std plus a small ε, or not at all). "
-            + fix_common, notes))
+            {}, RULES["GRP303"].fix, notes))
     return out
 
 
@@ -84,12 +77,8 @@ def _no_signal(c: _Ctx) -> list[Finding]:
     if z is None or z < ZERO_STD_INFO:
         return []
     sev = _grade(z, ZERO_STD_WARNING, ZERO_STD_ERROR) or "info"
-    fix = (
-        "Filter groups whose rewards are all equal and sample more prompts (DAPO's dynamic sampling), adjust the "
-        "prompt difficulty, or raise the samples per prompt; TRL logs this as `frac_reward_zero_std`, slime as "
-        "`zero_std/count_*`."
-    )
-    return [Finding("GRP304", "no-signal", sev, f"{z:.0%} of groups have zero reward variance: no learning signal",
+    fix = RULES["GRP304"].fix
+    return [Finding("GRP304", "no-signal", sev, RULES["GRP304"].title.format(frac=z),
                     {"groups/zero_std_frac": _ev(z, ZERO_STD_WARNING)}, {}, fix)]
 
 
@@ -114,12 +103,8 @@ def _entropy(c: _Ctx) -> list[Finding]:
         # entropy goes while the reward does not follow (Cui et al. 2025, "The Entropy Mechanism of RL for LLMs").
         sev = _cap(sev, notes, f"the mean reward rose from {rewards[0]:.3g} to {rewards[1]:.3g} over the same steps: "
                                "the policy may be converging")
-    title = f"entropy falls from {h[0]:.3f} to {last:.3f} nats over the steps (×{ratio:.2f}): entropy collapse"
-    fix = (
-        "Slow the collapse: an entropy bonus (verl `entropy_coeff`, TRL `entropy_coef`), a higher clip on the "
-        "upper side (clip-higher: verl `clip_ratio_high`, AReaL `eps_clip_higher`, slime `--eps-clip-high`), "
-        "Clip-Cov/KL-Cov (verl), or a lower learning rate."
-    )
+    title = RULES["GRP401"].title.format(first=h[0], last=last, ratio=ratio)
+    fix = RULES["GRP401"].fix
     evidence = {f"diag/by_step[{key}] last/first quarter": _ev(ratio, ENTROPY_RATIO_WARNING)}
     if rewards is not None:
         evidence["diag/by_step[reward_mean] last − first quarter"] = _ev(rewards[1] - rewards[0], REWARD_RISE)
@@ -138,17 +123,13 @@ def _truncation(c: _Ctx) -> list[Finding]:
         return []
     if overall < NO_EOS_INFO:
         return []
-    sev = _grade(overall, NO_EOS_WARNING, NO_EOS_ERROR) or "info"
-    title = f"{overall:.0%} of responses end without EOS (cut at the length limit)"
-    fix = (
-        "Raise the generation limit (AReaL `max_new_tokens`, verl `data.max_response_length`, TRL "
-        "`max_completion_length`), or keep truncated responses out of the loss (TRL `mask_truncated_completions`, "
-        "AReaL `mask_no_eos_with_zero`) or shape their reward (AReaL `overlong_reward_penalty`, DAPO's overlong "
-        "penalty)."
-    )
+    n_seq = _num(f, "n_sequences") or sum(x[2] for x in series)
+    sev, notes, est = _graded_fraction(overall, n_seq, NO_EOS_WARNING, NO_EOS_ERROR, "sequences")
+    title = RULES["GRP402"].title.format(frac=overall)
+    fix = RULES["GRP402"].fix
     steps = sorted(series, key=lambda x: -x[1])[:5]
-    return [Finding("GRP402", "length-truncation", sev, title, {"seq/no_eos_frac": _ev(overall, NO_EOS_WARNING)},
-                    {"steps": [s for s, _, _ in steps]}, fix)]
+    return [Finding("GRP402", "length-truncation", sev, title, {"seq/no_eos_frac": est.ev(NO_EOS_WARNING)},
+                    {"steps": [s for s, _, _ in steps]}, fix, notes)]
 
 
 DETECTORS = (

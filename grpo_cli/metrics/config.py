@@ -6,6 +6,18 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from grpo_cli._choices import FRAMEWORKS, TRL_VLLM_IS_MODES, VERL_ROLLOUT_IS_LEVELS
+from grpo_cli._constants import (
+    DEFAULT_BETA,
+    DEFAULT_DISTILL_WEIGHT,
+    DEFAULT_IS_THRESHOLD,
+    DEFAULT_MAX_COMPLETION_LENGTH,
+    DEFAULT_RL_WEIGHT,
+    DEFAULT_TAU_POS,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_VLLM_IS_CLIP_MAX,
+    DEFAULT_VLLM_IS_MODE,
+)
 from grpo_cli.core.grpo_family import GRPO_VARIANTS
 from grpo_cli.core.histogram import QUANTILE_REL_ERROR
 from grpo_cli.core.peer_figures import verl_is_threshold, verl_rs_options, verl_rs_thresholds
@@ -25,7 +37,7 @@ peer (the core's ``convention`` strings). ``verl<=0.7``: ``rollout_corr/rollout_
 
 _PEER_SETTINGS: dict[str, tuple[str, ...]] = {
     "verl": ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold"),
-    "trl": ("vllm_is_mode", "vllm_is_clip_max", "vllm_is_clip_min"),
+    "trl": ("vllm_is_mode", "vllm_is_clip_max", "vllm_is_clip_min", "advantages_per_token"),
 }
 """The fields that configure one peer's logged figures (reported in the JSON ``config`` under its ``--names``)."""
 
@@ -49,27 +61,29 @@ class AnalyzeConfig(PPOOptions):
     ``RolloutCorrectionConfig`` ``rollout_is`` (level), ``rollout_is_threshold`` (``None``: ``is_threshold``;
     ``"l_u"``: IcePop), ``rollout_rs`` and ``rollout_rs_threshold`` (rejection sampling, off when ``None``); TRL's
     ``GRPOConfig`` ``vllm_importance_sampling_mode``, ``vllm_importance_sampling_clip_max`` and ``_clip_min``
-    (``vllm_is_*``).
+    (``vllm_is_*``). ``advantages_per_token`` is not an option but what the dump holds (``commands.analyze`` sets
+    it under ``--names trl``): TRL's clip ratios at sequence level average over sequences for its base ``[B]``
+    advantages and over tokens for per-token ``[B, T]`` ones (:func:`~grpo_cli.core.peer_trl.trl_clip_ratio_metrics`).
     """
 
-    temperature: float = 1.0
-    top_k: int = 10
+    temperature: float = DEFAULT_TEMPERATURE
+    top_k: int = DEFAULT_TOP_K
     batch_tokens: int = DEFAULT_BATCH_TOKENS
     device: str = "cpu"
     group_by: str | None = None
     max_groups: int = 100_000
     losses: tuple[str, ...] | None = None
-    beta: float = 0.0
-    tau_pos: float = 1.0
+    beta: float = DEFAULT_BETA
+    tau_pos: float = DEFAULT_TAU_POS
     tau_neg: float | None = None
-    max_completion_length: int = 1024
+    max_completion_length: int = DEFAULT_MAX_COMPLETION_LENGTH
     on_invalid: str = "error"
     kl_clamp: float | None = None
-    is_threshold: float = 2.0
+    is_threshold: float = DEFAULT_IS_THRESHOLD
     m2_threshold: float | None = None
     current_version: int | None = None
-    distill_weight: float = 0.005
-    rl_weight: float = 1.0
+    distill_weight: float = DEFAULT_DISTILL_WEIGHT
+    rl_weight: float = DEFAULT_RL_WEIGHT
     max_new_tokens: int | None = None
     names: str | None = None
     convention: str | None = None
@@ -77,9 +91,10 @@ class AnalyzeConfig(PPOOptions):
     rollout_is_threshold: str | None = None
     rollout_rs: str | None = None
     rollout_rs_threshold: str | None = None
-    vllm_is_mode: str = "sequence_mask"
-    vllm_is_clip_max: float = 3.0
+    vllm_is_mode: str = DEFAULT_VLLM_IS_MODE
+    vllm_is_clip_max: float = DEFAULT_VLLM_IS_CLIP_MAX
     vllm_is_clip_min: float | None = None
+    advantages_per_token: bool = False
 
     def peer(self) -> str | None:
         """The peer framework whose figures are asked for (``None`` for grpo-cli's own names)."""

@@ -31,9 +31,6 @@ from grpo_cli.core.diagnosis import (
     lags_compute,
     lags_state,
     lags_update,
-    relation_compute,
-    relation_state,
-    relation_update,
     shift_compute,
     shift_state,
     shift_update,
@@ -41,8 +38,10 @@ from grpo_cli.core.diagnosis import (
     zeros_state,
     zeros_update,
 )
+from grpo_cli.core.diagnosis.pairs import N_BLOCKS, pairs_compute, pairs_state, pairs_update
 from grpo_cli.core.prox import broadcast_current_version
 from grpo_cli.core.state import MetricState
+from grpo_cli.engine.blocks import block_keys
 from grpo_cli.engine.group import MetricGroup
 
 __all__ = ["diagnosis_groups"]
@@ -71,38 +70,22 @@ class ShiftGroup(_DiagGroup):
     name = "diag/shift"
 
     def columns(self) -> frozenset[str]:
-        return frozenset({"new_logp", "old_logp", "step"})
+        return frozenset({"new_logp", "old_logp", "versions", "current_version", "step"})
 
     def init_state(self, config: Any, device: torch.device | str) -> MetricState:
         return shift_state(device)
 
     def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: Any) -> None:
         if batch.old_logp is not None:
-            shift_update(state, new_logp=batch.new_logp, old_logp=batch.old_logp, loss_mask=batch.loss_mask,
+            # Lag-0 tokens only where versions tell: a stale token of a fast-moving policy can agree better with a
+            # neighbour by chance; at lag 0 only a real shift does.
+            lag = _lag(batch)
+            mask = batch.loss_mask if lag is None else batch.loss_mask.to(torch.bool) & (lag == 0)
+            shift_update(state, new_logp=batch.new_logp, old_logp=batch.old_logp, loss_mask=mask,
                          cu_seqlens=batch.cu_seqlens, file_index=batch.file_index, rows=batch.rows, step=batch.step)
 
     def compute(self, state: MetricState, config: Any) -> dict[str, Any]:
         return shift_compute(state)
-
-
-class RelationGroup(_DiagGroup):
-    """The line old ≈ a + b·new and one-sidedness of old − new (temperature, truncated sampling)."""
-
-    name = "diag/relation"
-
-    def columns(self) -> frozenset[str]:
-        return frozenset({"new_logp", "old_logp", "step"})
-
-    def init_state(self, config: Any, device: torch.device | str) -> MetricState:
-        return relation_state(device)
-
-    def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: Any) -> None:
-        if valid.old_logp is not None:
-            relation_update(state, new_logp=valid.new_logp, old_logp=valid.old_logp, cu_seqlens=valid.cu_seqlens,
-                            file_index=batch.file_index, rows=batch.rows, step=batch.step)
-
-    def compute(self, state: MetricState, config: Any) -> dict[str, Any]:
-        return relation_compute(state)
 
 
 class ZerosGroup(_DiagGroup):
@@ -191,8 +174,8 @@ class ByStepGroup(_DiagGroup):
     name = "diag/by_step"
 
     def columns(self) -> frozenset[str]:
-        return frozenset({"new_logp", "old_logp", "prox_logp", "entropy", "versions", "current_version", "eos",
-                          "advantages", "rewards", "step"})
+        return frozenset({"new_logp", "old_logp", "prox_logp", "ref_logp", "entropy", "versions", "current_version",
+                          "eos", "advantages", "rewards", "step"})
 
     def init_state(self, config: Any, device: torch.device | str) -> MetricState:
         return by_step_state(device)
@@ -204,7 +187,7 @@ class ByStepGroup(_DiagGroup):
                        cu_seqlens=valid.cu_seqlens, old_logp=valid.old_logp, entropy=valid.entropy, lag=_lag(valid),
                        eos=valid.eos, advantages=valid.advantages, base_logp=valid.ratio_base_logp,
                        epsilon=config.epsilon, epsilon_high=config.epsilon_high, prox_logp=valid.prox_logp,
-                       rewards=valid.rewards)
+                       rewards=valid.rewards, ref_logp=valid.ref_logp)
 
     def compute(self, state: MetricState, config: Any) -> dict[str, Any]:
         if state["s"].shape[0] == 0:
@@ -234,7 +217,30 @@ class LagsGroup(_DiagGroup):
         return lags_compute(state)
 
 
+class PairsGroup(_DiagGroup):
+    """Behaviour against same-weights training log-probs: temperature, truncation, mismatch, re-tokenisation,
+    proximal recompute, each with its interval over blocks of GRPO groups."""
+
+    name = "diag/pairs"
+
+    def columns(self) -> frozenset[str]:
+        return frozenset({"new_logp", "old_logp", "prox_logp", "entropy", "versions", "current_version", "group_id",
+                          "step"})
+
+    def init_state(self, config: Any, device: torch.device | str) -> MetricState:
+        return pairs_state(device)
+
+    def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: Any) -> None:
+        if valid.old_logp is not None:
+            pairs_update(state, new_logp=valid.new_logp, old_logp=valid.old_logp, prox_logp=valid.prox_logp,
+                         entropy=valid.entropy, cu_seqlens=valid.cu_seqlens, block=block_keys(batch, N_BLOCKS),
+                         lag=_lag(valid), file_index=batch.file_index, rows=batch.rows, step=batch.step)
+
+    def compute(self, state: MetricState, config: Any) -> dict[str, Any]:
+        return pairs_compute(state)
+
+
 def diagnosis_groups() -> list[MetricGroup]:
     """The findings-only groups, one per family of :mod:`grpo_cli.core.diagnosis`."""
-    return [ShiftGroup(), RelationGroup(), ZerosGroup(), EqualityGroup(), DuplicatesGroup(), GroupsGroup(),
-            ByStepGroup(), LagsGroup()]
+    return [ShiftGroup(), ZerosGroup(), EqualityGroup(), DuplicatesGroup(), GroupsGroup(),
+            ByStepGroup(), LagsGroup(), PairsGroup()]

@@ -37,7 +37,6 @@ from grpo_cli.metrics.config import AnalyzeConfig
 from grpo_cli.metrics.policy import ADV, BASE, OLD
 
 _U = "ppo_actor/update/"  # AReaL's actor statistics
-_RC = "rollout_corr/"  # verl's rollout-correction metrics
 # Labels of the histogram quantiles the core reports (DEFAULT_QUANTILES).
 _QUANTILE_LABELS = {"p001": "0.1 %", "p01": "1 %", "p50": "median", "p99": "99 %", "p999": "99.9 %"}
 
@@ -88,7 +87,8 @@ class KLFamiliesGroup(MetricGroup):
         return frozenset({"new_logp", "old_logp", "ref_logp"})
 
     def init_state(self, config: AnalyzeConfig, device: torch.device | str) -> MetricState:
-        return kl_families_state(device)
+        # kl/k3 is PolicyGroup's (the same unclamped k3 of new − old): not folded twice.
+        return kl_families_state(device, old_kinds=("k1", "k2"))
 
     def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: AnalyzeConfig) -> None:
         kl_families_update(
@@ -100,9 +100,7 @@ class KLFamiliesGroup(MetricGroup):
         )
 
     def compute(self, state: MetricState, config: AnalyzeConfig) -> dict[str, Any]:
-        out = kl_families_compute(state)
-        out.pop("kl/k3", None)  # PolicyGroup's (the same value: both are the unclamped k3 of new − old)
-        return out
+        return kl_families_compute(state)
 
 
 

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.packing import broadcast_to_tokens
+from grpo_cli.core.peer_areal import areal_kl_div_terms
 from grpo_cli.core.ppo import ppo_actor_loss_terms
 from grpo_cli.core.state import MetricState, StateSpec, count
 from grpo_cli.engine.figures import Figure, Requirement, column
@@ -157,9 +158,8 @@ class ArealPeerGroup(MetricGroup):
             return
         if valid.old_logp is not None:
             d = (f64(valid.new_logp) - f64(valid.old_logp))[keep]
-            fold_stat(state, "compute_logp/kl_div_direct", -d)
-            fold_stat(state, "compute_logp/kl_div_taylor", d * d / 2.0)
-            fold_stat(state, "compute_logp/kl_div_dual", torch.expm1(d) - d)
+            for name, values in areal_kl_div_terms(d).items():
+                fold_stat(state, f"compute_logp/{name}", values)
         current = valid.current_version
         if current is None and config.current_version is not None:
             current = torch.full((valid.n_sequences,), config.current_version, dtype=torch.int64, device=valid.device)

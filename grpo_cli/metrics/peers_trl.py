@@ -10,7 +10,9 @@ from torch import Tensor
 
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.keyed_state import KeyedState
+from grpo_cli.core.kl import k3_of_log_weight
 from grpo_cli.core.packing import broadcast_to_tokens, lengths_from_cu_seqlens, segment_sum
+from grpo_cli.core.peer_trl import trl_bound_is_ratio, trl_clip_indicators
 from grpo_cli.core.state import MetricState, Reduce, StateSpec, count, maximum, minimum, total
 from grpo_cli.engine.figures import Figure, column
 from grpo_cli.engine.group import MetricGroup
@@ -41,14 +43,9 @@ def _trl_is_ratio(delta: Tensor, cu: Tensor, config: AnalyzeConfig) -> Tensor:
     exp(Σ Δ) (every sequence, an empty one exp(0) = 1) for the ``sequence_*`` modes, per valid token exp(Δ) for the
     ``token_*`` modes; ``*_truncate`` clamps to [C_min, C_max], ``*_mask`` sets ratios outside to 0.
     ``delta`` = prox − old per valid token (NaN already 0)."""
-    mode, lo, hi = config.vllm_is_mode, config.vllm_is_clip_min, config.vllm_is_clip_max
+    mode = config.vllm_is_mode
     ratio = torch.exp(segment_sum(delta, cu, F64) if mode.startswith("sequence") else delta)
-    if mode.endswith("truncate"):
-        return ratio.clamp(min=lo, max=hi)
-    outside = ratio > hi
-    if lo is not None:
-        outside |= ratio < lo
-    return ratio.masked_fill(outside, 0.0)
+    return trl_bound_is_ratio(ratio, mode, config.vllm_is_clip_min, config.vllm_is_clip_max)
 
 
 def _trl_figures() -> tuple[Figure, ...]:
@@ -152,7 +149,8 @@ class TrlPeerGroup(MetricGroup):
     """TRL's clip ratios, ``cispo_clip_ratio``, its logged (bias-corrected) ``kl`` and the vLLM
     importance-sampling figures (``--names trl``). The ratio base is TRL's ``old_per_token_logps``: our
     ``prox_logp`` when the dump has it, else ``old_logp``; ``--importance-level sequence`` uses TRL's sequence
-    ratio exp(mean log-ratio), the means then running over sequences.
+    ratio exp(mean log-ratio), the clip means then running over sequences for a per-sequence advantages column (TRL's
+    ``[B]``) and over tokens for a per-token one (``config.advantages_per_token``; TRL's ``[B, T]``).
 
     With the dump's ``micro_batch`` column, ``clip_ratio/*``, ``cispo_clip_ratio`` and ``kl`` follow TRL's
     averaging (``GRPOTrainer._compute_loss`` per micro-batch, then the plain mean in ``GRPOTrainer.log``) from a
@@ -195,7 +193,7 @@ class TrlPeerGroup(MetricGroup):
                 rows = self._clip(state, coef_tokens, f64(valid.advantages), cu, lengths, config)
         if valid.ref_logp is not None:
             y = f64(valid.ref_logp) - f64(valid.new_logp)
-            k3 = torch.expm1(y) - y
+            k3 = k3_of_log_weight(y)
             state.update(kl=(k3 * coef_tokens).sum(), n_kl=torch.tensor(y.numel()))
             kl_rows = (segment_sum(k3 * coef_tokens, cu, F64), lengths.to(F64))
         ent_rows: tuple[Tensor, Tensor] | None = None  # per-sequence Σ entropy and token counts
@@ -229,19 +227,21 @@ class TrlPeerGroup(MetricGroup):
         ``masked_seq_mean`` is NaN)."""
         eps_lo = config.epsilon
         eps_hi = config.epsilon if config.epsilon_high is None else config.epsilon_high
-        if config.importance_level == "sequence":
-            # TRL keeps one ratio per sequence and reads the advantage at its first position; an empty
-            # sequence has ratio exp(0) = 1 and is never clipped, but counts.
+        if config.importance_level == "sequence" and not config.advantages_per_token:
+            # TRL's (B, 1) sequence ratio against its (B,) advantages: one indicator per sequence, the means over
+            # sequences; an empty sequence has ratio exp(0) = 1 and is never clipped, but counts. With per-token
+            # advantages TRL broadcasts the sequence ratio against them: the token branch below, coef being the
+            # sequence ratio repeated over its tokens (trl_clip_ratio_metrics).
             coef = torch.where(lengths > 0, _row_first(coef, cu), torch.ones_like(lengths, dtype=F64))
             adv = _row_first(adv, cu)
-            low, high = (coef < 1 - eps_lo) & (adv < 0), (coef > 1 + eps_hi) & (adv > 0)
+            low, high = trl_clip_indicators(coef, adv, eps_lo, eps_hi)
             cispo = (coef > 1 + eps_hi) & (adv > 0)
             state.update(n=torch.tensor(coef.numel()), low=low.sum(), high=high.sum(), cispo=cispo.sum())
             if coef.numel():
                 state.update(low_min=low.to(F64).min(), high_max=high.to(F64).max())
             return {"n": torch.ones_like(coef), "low": low.to(F64), "high": high.to(F64),
                     "cispo": cispo.to(F64), "low_min": low.to(F64), "high_max": high.to(F64)}
-        low, high = (coef < 1 - eps_lo) & (adv < 0), (coef > 1 + eps_hi) & (adv > 0)
+        low, high = trl_clip_indicators(coef, adv, eps_lo, eps_hi)
         state.update(n=torch.tensor(coef.numel()), low=low.sum(), high=high.sum(), cispo=high.sum())
         has = lengths > 0
         denom = lengths.to(F64).clamp(min=1.0)

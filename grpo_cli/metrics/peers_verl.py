@@ -11,8 +11,16 @@ from torch import Tensor
 
 from grpo_cli._choices import VERL_RS_OPTIONS
 from grpo_cli.core.batch import TokenBatch
+from grpo_cli.core.kl import k3_of_log_weight
 from grpo_cli.core.packing import broadcast_to_tokens, lengths_from_cu_seqlens, segment_max, segment_sum
 from grpo_cli.core.peer_figures import VERL_SAFETY_BOUND, verl_rs_options, verl_rs_thresholds
+from grpo_cli.core.peer_verl_rollout import (
+    verl_is_spread_values,
+    verl_is_weights,
+    verl_rs_bounds,
+    verl_rs_keep,
+    verl_rs_statistics,
+)
 from grpo_cli.core.state import MetricState, StateSpec, count, maximum, minimum, total
 from grpo_cli.engine.figures import Figure, Requirement, column
 from grpo_cli.engine.group import MetricGroup
@@ -147,7 +155,7 @@ def _rs_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu: T
     """Fold verl's rejection-sampling sums of one batch: ℓ = clamp(train − rollout, ±20), k1 = −ℓ, k2 = ℓ²/2,
     k3 = e^ℓ − 1 − ℓ; token options per token, ``seq_sum``/``seq_mean``/``seq_max`` per sequence."""
     log_ratio = (f64(train) - f64(rollout)).clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
-    per_token = {"k1": -log_ratio, "k2": 0.5 * log_ratio * log_ratio, "k3": torch.expm1(log_ratio) - log_ratio}
+    per_token = verl_rs_statistics(log_ratio)
     lengths = lengths_from_cu_seqlens(cu).to(log_ratio.device)
     has = lengths > 0
     denom = lengths.to(F64).clamp(min=1.0)
@@ -157,8 +165,7 @@ def _rs_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu: T
     upd: dict[str, Tensor] = {"rows_ne": has.sum()}
     for option, (lower, upper) in bounds.items():
         k1 = option.endswith("k1")
-        lo_t = math.log(lower) if k1 and lower is not None else 0.0
-        hi_t = math.log(upper) if k1 else upper
+        lo_t, hi_t = verl_rs_bounds(option, lower, upper)
         values = per_token[option[-2:]]
         if option.startswith("token"):
             seq_values = segment_sum(values, cu, F64) / denom
@@ -171,7 +178,7 @@ def _rs_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu: T
             else:
                 seq_values = torch.where(has, segment_max(values, cu), 0.0)
             stat = broadcast_to_tokens(seq_values, cu, n_tok)
-        keep = (stat >= lo_t) & (stat <= hi_t) if k1 else stat <= hi_t
+        keep = verl_rs_keep(stat, option, lo_t, hi_t)
         keep_all &= keep
         sv = seq_values[has]
         extreme = stat if option.startswith("token") else sv
@@ -283,9 +290,9 @@ def _verl_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu:
     else:
         raw = rho
         n_high, n_low = (raw > c).sum(), (raw < lo).sum()
-    weights = raw.clamp(max=c) if lower is None else torch.where((raw >= lower) & (raw <= c), raw, 0.0)
+    weights = verl_is_weights(raw, c, lower)
     w = weights if truncate else raw
-    v = weights.clamp(min=0.0, max=c) if truncate else raw.clamp(min=lo, max=c)
+    v = verl_is_spread_values(raw, weights, c, lo, truncate)
     row_w = segment_sum(w, cu, F64) / denom
     row_raw = segment_sum(raw, cu, F64) / denom
     mu_t = segment_sum(t, cu, F64) / denom
@@ -298,7 +305,7 @@ def _verl_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu:
         "rows": torch.tensor(n_rows), "r": row_w.sum(), "r2": (row_w * row_w).sum(),
         "rows_high": (row_raw > c).sum(), "rows_low": (row_raw < lo).sum(),
         "ppl_t": torch.exp(-mu_t).sum(), "lppl_t": (-mu_t).sum(), "kl": (-log_ratio).sum(),
-        "k3": (torch.expm1(log_ratio) - log_ratio).sum(), "ppl_r": torch.exp(-mu_r).sum(), "lppl_r": (-mu_r).sum(),
+        "k3": k3_of_log_weight(log_ratio).sum(), "ppl_r": torch.exp(-mu_r).sum(), "lppl_r": (-mu_r).sum(),
         "diff": diff.sum(), "adiff": diff.abs().sum(), "pplratio": torch.exp(diff).sum(),
         "rho2": (rho * rho).sum(), "chi2seq": torch.exp(2.0 * seq_log).sum(),
     }

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from grpo_cli._constants import TWINKLE_NAMES
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.policy_stats import policy_stats_compute, policy_stats_state, policy_stats_update
 from grpo_cli.core.state import MetricState, count
@@ -52,18 +53,19 @@ class PolicyGroup(MetricGroup):
     figures = (
         Figure("n_valid_tokens", "tokens with loss_mask = 1 (every other figure is over these)", section="dump",
                peers={"areal": _U + "n_valid_tokens"}),
-        Figure("logp/new_mean", "mean log π_θ", peers={"twinkle": "train/mean_new_logp"}),
+        Figure("logp/new_mean", "mean log π_θ", peers={"twinkle": TWINKLE_NAMES["logp/new_mean"]}),
         Figure("policy_confidence", "exp(mean log π_θ): geometric-mean token probability", section="logp",
-               peers={"twinkle": "train/policy_confidence"}),
+               peers={"twinkle": TWINKLE_NAMES["policy_confidence"]}),
         Figure("entropy/mean", "mean token entropy of π_θ", section="logp", needs=(column("entropy"),),
-               peers={"verl": "actor/entropy", "twinkle": "train/entropy"}),
+               peers={"verl": "actor/entropy", "twinkle": TWINKLE_NAMES["entropy/mean"]}),
         Figure("logp/old_mean", "mean behaviour log-prob", needs=(OLD,),
-               peers={"twinkle": "train/mean_old_logp"}),
+               peers={"twinkle": TWINKLE_NAMES["logp/old_mean"]}),
         Figure("logp/diff_mean", "mean (new − old); > 0: trainer likes the samples more than the sampler did",
-               needs=(OLD,), peers={"areal": neg(_U + "logp_diff/avg"), "twinkle": "train/logp_diff_mean"}),
+               needs=(OLD,), peers={"areal": neg(_U + "logp_diff/avg"), "twinkle": TWINKLE_NAMES["logp/diff_mean"]}),
         Figure("kl/k3", "mean(e^d − 1 − d), d = new − old: k3 estimate of KL(old ‖ new)", needs=(OLD,),
-               peers={"twinkle": "train/approx_kl"}),
-        Figure("kl/k3_token_max", "largest per-token k3", needs=(OLD,), peers={"twinkle": "train/token_kl_max"}),
+               peers={"twinkle": TWINKLE_NAMES["kl/k3"]}),
+        Figure("kl/k3_token_max", "largest per-token k3", needs=(OLD,),
+               peers={"twinkle": TWINKLE_NAMES["kl/k3_token_max"]}),
         Figure("top_kl", "the highest-k3 tokens (file, row, position), with the ratio against old and against the "
                "ratio base", section="kl", reduce="table",
                needs=(OLD, option(lambda c: c.top_k > 0, "disabled with --top-k 0"))),
@@ -71,17 +73,17 @@ class PolicyGroup(MetricGroup):
                "else old_logp (config ratio_base); the first is ratio/max's", section="ratio", reduce="table",
                needs=(BASE, option(lambda c: c.top_k > 0, "disabled with --top-k 0"))),
         Figure("ratio/max", "largest per-token ratio π_θ/π_base (base: prox_logp if present, else old_logp; "
-               "top_ratio locates it)", needs=(BASE,), peers={"twinkle": "train/token_ratio_max"}),
+               "top_ratio locates it)", needs=(BASE,), peers={"twinkle": TWINKLE_NAMES["ratio/max"]}),
         Figure("clip/cispo", "CISPO: r outside [1 − ε, 1 + ε_high], regardless of A (r against the ratio base)",
                reduce="fraction", needs=(BASE,)),
         Figure("clip/cispo_low", "CISPO: r < 1 − ε", reduce="fraction", needs=(BASE,)),
         Figure("clip/cispo_high", "CISPO: r > 1 + ε_high", reduce="fraction", needs=(BASE,)),
         Figure("clip/ratio", "tokens clipped by PPO: clip/low + clip/high (r against the ratio base: prox or old)",
-               needs=(BASE, ADV), peers={"verl": "actor/pg_clipfrac", "twinkle": "train/clip_ratio"}),
+               needs=(BASE, ADV), peers={"verl": "actor/pg_clipfrac", "twinkle": TWINKLE_NAMES["clip/ratio"]}),
         Figure("clip/low", "r < 1 − ε with A < 0", reduce="fraction", needs=(BASE, ADV),
-               peers={"twinkle": "train/clip_ratio_low"}),
+               peers={"twinkle": TWINKLE_NAMES["clip/low"]}),
         Figure("clip/high", "r > 1 + ε_high with A > 0", reduce="fraction", needs=(BASE, ADV),
-               peers={"twinkle": "train/clip_ratio_high"}),
+               peers={"twinkle": TWINKLE_NAMES["clip/high"]}),
         Figure("clip/seq_ratio", "GSPO: sequences whose geometric-mean ratio is clipped", reduce="fraction",
                needs=(BASE, ADV)),
         Figure("clip/seq_low", "GSPO: s < 1 − ε with mean A < 0", reduce="fraction", needs=(BASE, ADV)),

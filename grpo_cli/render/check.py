@@ -38,10 +38,11 @@ def render_check_table(console: Console, report: CheckReport) -> None:
     inputs = report.inputs
     console.print(Text(f"grpo-cli check — {len(inputs)} file(s): {', '.join(inputs[:3])}"
                        f"{' …' if len(inputs) > 3 else ''}"))
-    details = f"rules: {', '.join(report.sources)}"
-    if report.baseline is not None:
-        details += f"; baseline: {report.baseline}"
-    console.print(Text(details, style="dim"))
+    # Without --rules/--rules-preset there is no rules file to name (only check's own validation rule runs).
+    details = ([f"rules: {', '.join(report.sources)}"] if report.sources else []) + (
+        [f"baseline: {report.baseline}"] if report.baseline is not None else [])
+    if details:
+        console.print(Text("; ".join(details), style="dim"))
     if report.findings:
         render_findings(console, report.findings, n_tokens=int(report.metrics.get("n_tokens", 0)), inputs=inputs)
     table = Table(title_justify="left", expand=False)
@@ -150,7 +151,7 @@ def markdown_summary(report: CheckReport) -> str:
     lines = [
         f"### {_MARK[report.status]} grpo-cli check: {_cell(report.headline())}",
         "",
-        f"Inputs: {inputs}; rules: {_cell(', '.join(report.sources))}"
+        f"Inputs: {inputs}" + (f"; rules: {_cell(', '.join(report.sources))}" if report.sources else "")
         + (f"; baseline: `{report.baseline}`" if report.baseline else ""),
         "",
         "| status | rule | value | bound | worst group | message |",

@@ -13,19 +13,15 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from grpo_cli._constants import HEADLINE_KEYS
 from grpo_cli._format import format_value
 from grpo_cli.findings import verdict
 from grpo_cli.metrics.registry import KEYS
 
-__all__ = ["HEADLINE_KEYS", "render_findings", "render_headline"]
+__all__ = ["HEADLINE_KEYS", "render_findings", "render_headline", "render_rescaling"]
 
-HEADLINE_KEYS = (
-    "n_valid_tokens", "kl/k3", "kl/abs_diff_mean", "clip/ratio", "ratio/max", "is/ess", "staleness/theta_mean",
-    "entropy/mean", "reward/mean", "groups/zero_std_frac", "seq/no_eos_frac",
-)
-"""The figures the first screen shows (each when the dump has it)."""
 
-_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
+_STYLE = {"error": "bold red", "warning": "yellow", "inconclusive": "magenta", "info": "cyan"}
 _SHOWN_SEQUENCES = 3
 
 
@@ -55,6 +51,18 @@ def _where(where: Mapping[str, Any], inputs: Sequence[str]) -> list[str]:
     return lines
 
 
+def _evidence(ev: Mapping[str, Any]) -> str:
+    """``value [low, high] (threshold t)``; the interval only where the statistic has a spread."""
+    text = format_value(ev.get("value"))
+    low, high = ev.get("low"), ev.get("high")
+    if low != high or (low is None and ev.get("value") is not None):
+        text += f" [95 %: {format_value(low) if low is not None else '−∞'}, "
+        text += f"{format_value(high) if high is not None else '∞'}]"
+    if ev.get("threshold") is not None:
+        text += f" (threshold {format_value(ev['threshold'])})"
+    return text
+
+
 def render_findings(
     console: Console, findings: Sequence[Mapping[str, Any]], *, n_tokens: int, inputs: Sequence[str]
 ) -> None:
@@ -66,17 +74,18 @@ def render_findings(
     for finding in findings:
         style = _STYLE[finding["severity"]]
         head = Text()
-        head.append(f"{finding['severity']:<7} ", style=style)
+        head.append(f"{finding['severity']:<12} ", style=style)
         head.append(f"{finding['code']} ", style="bold")
         head.append(f"[{finding['category']}] ", style="dim")
         head.append(finding["title"])
+        explained = next((n.split(":")[0] for n in finding.get("notes") or [] if n.startswith("explained by")), None)
+        if explained:
+            head.append(f" ({explained})", style="dim")
         console.print(head)
         if finding["severity"] == "info":
             continue
         for key, ev in finding["evidence"].items():
-            bound = f" (threshold {format_value(ev.get('threshold'))})" if ev.get("threshold") is not None else ""
-            ci = f", 95 % interval {format_value(ev['ci'])}" if ev.get("ci") is not None else ""
-            console.print(Text(f"    {key} = {format_value(ev.get('value'))}{bound}{ci}", style="dim"))
+            console.print(Text(f"    {key} = {_evidence(ev)}", style="dim"))
         for where_line in _where(finding.get("where") or {}, inputs):
             console.print(Text(f"    where: {where_line}"))
         if finding.get("fix"):
@@ -100,3 +109,15 @@ def render_headline(console: Console, metrics: Mapping[str, Any], sources: Mappi
             continue
         table.add_row(shown, format_value(metrics[shown]), KEYS[key].meaning if key in KEYS else "")
     console.print(table)
+
+
+def render_rescaling(console: Console, config: Mapping[str, Any]) -> None:
+    """Say so when the temperature a dump records rescales the log-probs of the figures (twinkle's convention:
+    log-prob / T), so nobody compares halved figures with a trainer's logs unawares."""
+    recorded = (config.get("from_metadata") or {}).get("temperature")
+    if recorded is None or float(recorded) == 1.0:
+        return
+    console.print(Text(
+        f"note: the dump records temperature {recorded}: the GRPOMetric-family, ratio and loss figures use "
+        f"log-probs divided by it (twinkle's convention; verl and TRL log them as stored). `--temperature 1` reads "
+        "them as stored; the findings always read them as stored.", style="yellow"))

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from grpo_cli import __version__
+from grpo_cli._constants import REPORT_HEADLINE_KEYS
 from grpo_cli._format import format_value
 from grpo_cli.commands.report import Report, per_step_series
 from grpo_cli.findings import verdict
@@ -48,9 +49,12 @@ TRENDS: tuple[tuple[str, str, tuple[str, ...], str, str], ...] = (
 )
 """The per-step trend charts: (id, title, metric keys — ``loss/*`` = every loss reported, y label, caption)."""
 
-HEADLINE_KEYS = ("kl/k3", "clip/ratio", "ratio/max", "is/ess", "staleness/theta_mean", "entropy/mean",
-                 "reward/mean")
-"""Figures shown as cards in the page header (when reported)."""
+_TOP_KL_VALUES = ("kl", "ratio", "new_logp", "old_logp")
+_TOP_RATIO_VALUES = ("ratio", "new_logp", "base_logp")
+"""The values the ``top_kl`` and ``top_ratio`` tables (and their lines in "All figures") show per token."""
+
+HEADLINE_KEYS = REPORT_HEADLINE_KEYS
+"""Figures shown as cards in the page header (when reported); declared in ``grpo_cli._constants``."""
 
 HEAT_COLUMNS = (("clip/ratio", "value"), ("kl/k3", "value"), ("is/mean", "dev1"))
 
@@ -227,14 +231,37 @@ def _prox(report: Report) -> dict[str, Any]:
             "verdicts": [report.prox.recommendations[m] for m in methods]}
 
 
-def _figure_sections(metrics: Mapping[str, Any]) -> list[dict[str, Any]]:
+_TOKEN_LISTS = {"top_kl": ("top-kl", _TOP_KL_VALUES), "top_ratio": ("top-ratio", _TOP_RATIO_VALUES)}
+"""The token lists "All figures" writes as lines (not JSON): the section their table is in, the values shown."""
+
+
+def _token_lines(records: Sequence[Mapping[str, Any]], inputs: Sequence[str], values: Sequence[str]) -> str:
+    """A top-token list as one line per token (``rollouts.parquet row 3708, position 5: kl 10.46, ratio 14.1``),
+    the same token of duplicated sequences on one line, as in its table."""
+    lines = []
+    for record, record_rows in merge_identical_tokens(list(records), values):
+        index = record["file"]
+        name = os.path.basename(inputs[index]) if 0 <= index < len(inputs) else str(index)
+        shown = ", ".join(f"{c} {_fmt(record[c])}" for c in values if c in record)
+        lines.append(f"{name} row {row_ranges(record_rows)}, position {record['position']}: {shown}")
+    return "\n".join(lines)
+
+
+def _figure_sections(metrics: Mapping[str, Any], inputs: Sequence[str] = ()) -> list[dict[str, Any]]:
     by_section: dict[str, list[dict[str, Any]]] = {}
     for key, value in metrics.items():
         structured = isinstance(value, (list, dict))
-        text = json.dumps(value, allow_nan=False, separators=(", ", ": ")) if structured else format_value(value)
+        anchor = ""
+        if key in _TOKEN_LISTS and isinstance(value, list):
+            anchor, values = _TOKEN_LISTS[key]
+            text = _token_lines(value, inputs, values)
+        elif structured:
+            text = json.dumps(value, allow_nan=False, separators=(", ", ": "))
+        else:
+            text = format_value(value)
         meaning = KEYS[key].meaning if key in KEYS else ""
         by_section.setdefault(section_of(key), []).append(
-            {"key": key, "value": text, "meaning": meaning, "structured": structured})
+            {"key": key, "value": text, "meaning": meaning, "structured": structured, "anchor": anchor})
     order = list(SECTIONS) + [s for s in by_section if s not in SECTIONS]
     return [{"id": f"figures-{name}", "title": SECTIONS.get(name, name), "name": name, "rows": by_section[name]}
             for name in order if name in by_section]
@@ -269,13 +296,13 @@ def _top_tokens(report: Report, key: str, values: Sequence[str]) -> list[dict[st
 
 
 def _top_kl(report: Report) -> list[dict[str, str]]:
-    return _top_tokens(report, "top_kl", ("kl", "ratio", "new_logp", "old_logp"))
+    return _top_tokens(report, "top_kl", _TOP_KL_VALUES)
 
 
 def _top_ratio(report: Report) -> dict[str, Any]:
     """``top_ratio``'s rows (the first is ``ratio/max``'s token), the ratio base they use, and why it is missing."""
     base = report.analysis.config.get("ratio_base", "old")
-    return {"rows": _top_tokens(report, "top_ratio", ("ratio", "new_logp", "base_logp")), "base": base,
+    return {"rows": _top_tokens(report, "top_ratio", _TOP_RATIO_VALUES), "base": base,
             "missing": report.analysis.omitted.get("top_ratio", f"no valid token has a {base}_logp")}
 
 
@@ -359,7 +386,7 @@ def _context(report: Report) -> dict[str, Any]:
         "top_kl": _top_kl(report),
         "top_kl_missing": report.analysis.omitted.get("top_kl", "no valid token has an old_logp"),
         "top_ratio": _top_ratio(report),
-        "figure_sections": _figure_sections(metrics),
+        "figure_sections": _figure_sections(metrics, report.analysis.inputs),
         "omitted": sorted(report.analysis.omitted.items()),
         "data_id": DATA_ELEMENT_ID,
         "data": data,

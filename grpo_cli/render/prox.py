@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.measure import Measurement
@@ -18,9 +18,12 @@ from rich.text import Text
 from grpo_cli._format import format_value
 from grpo_cli.commands.compare_prox import lag_label
 from grpo_cli.metrics.prox import PROX_FIGURE_MEANINGS
-from grpo_cli.render.tables import render_omitted
+from grpo_cli.render.tables import render_omitted, render_table
 
-__all__ = ["SUMMARY_ROWS", "render_compare_prox_table"]
+if TYPE_CHECKING:
+    from grpo_cli.commands.compare_prox import CompareProxResult
+
+__all__ = ["SUMMARY_ROWS", "render_compare_prox", "render_compare_prox_table"]
 
 SUMMARY_ROWS: tuple[str, ...] = (
     "abs_error_mean",
@@ -40,6 +43,21 @@ SUMMARY_ROWS: tuple[str, ...] = (
     "max_safe_lag",
 )
 """The summary table's rows (figures; their meanings come from :data:`grpo_cli.metrics.prox.PROX_FIGURE_MEANINGS`)."""
+
+
+def render_compare_prox(
+    console: Console, result: CompareProxResult, labels: Mapping[str, str], *, methods: Sequence[str],
+    tolerance: float,
+) -> None:
+    """``compare-prox``'s screen: the side-by-side table, or under ``--names`` (renamed keys, ``labels`` non-empty)
+    the plain sectioned table, since the side-by-side layout reads grpo-cli's keys."""
+    if labels:
+        render_table(console, title="grpo-cli compare-prox", metrics=result.metrics, omitted=result.omitted,
+                     inputs=result.inputs, config=result.config, sources=labels)
+        return
+    render_compare_prox_table(console, metrics=result.metrics, omitted=result.omitted, inputs=result.inputs,
+                              config=result.config, methods=methods, recommendations=result.recommendations,
+                              tolerance=tolerance)
 
 
 def _short(value: Any) -> str:

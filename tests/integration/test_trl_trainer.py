@@ -385,3 +385,21 @@ def test_mask_truncated_analyze_equals_trl_log(masked: dict[str, Any], key: str)
     compared, bad = mismatches(by_step(masked["analysis"]), train_log(masked), key)
     assert compared == 2
     assert not bad, bad
+
+
+def test_close_dumps_finishes_the_part_files_and_forgets_the_writers(tmp_path: Path):
+    """``close_dumps`` writes what the writers hold, closes them, and leaves none open (a later forward opens new)."""
+    from grpo_cli.integrations.trl import GRPODumpMixin
+    from grpo_cli.io import RolloutWriter
+
+    trainer = object.__new__(GRPODumpMixin)  # no GRPOTrainer needed: close_dumps only touches the writers
+    writer = RolloutWriter(tmp_path / "train")
+    writer.add(step=1, new_logp=torch.tensor([[-0.5, -1.0]]))
+    trainer._grpo_writers = {"train": writer}
+    assert not list((tmp_path / "train").glob("*.parquet"))  # still buffered
+    trainer.close_dumps()
+    assert trainer._grpo_writers == {}
+    parts = sorted((tmp_path / "train").glob("*.parquet"))
+    assert len(parts) == 1 and pq.read_table(parts[0]).num_rows == 1
+    with pytest.raises(ValueError, match="closed"):
+        writer.add(step=2, new_logp=torch.tensor([[-0.5]]))

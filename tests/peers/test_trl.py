@@ -132,7 +132,8 @@ def test_compute_loss(trl: SimpleNamespace, loss_type: str, beta: float, dtype: 
         close(trl_logged_kl(b.lp, b.old, b.ref, b.mask, importance_sampling_level=level), logged["kl"][0], dtype, "kl")
     if loss_type in ("grpo", "gspo", "bnpo", "dapo", "dr_grpo"):
         clip = trl_clip_ratio_metrics(
-            b.lp, b.old, adv, b.mask, epsilon_low=0.2, epsilon_high=eps_high, importance_sampling_level=level
+            b.lp, b.old, b.adv[:, 0] if per_sequence_adv else adv, b.mask, epsilon_low=0.2, epsilon_high=eps_high,
+            importance_sampling_level=level,
         )
         for key, value in clip.items():
             close(value, logged[f"clip_ratio/{key}"][0], torch.float32, f"clip_ratio/{key}")
@@ -143,6 +144,47 @@ def test_compute_loss(trl: SimpleNamespace, loss_type: str, beta: float, dtype: 
             torch.float32,
             "cispo_clip_ratio",
         )
+
+
+@pytest.mark.parametrize("per_sequence_adv", [True, False])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_clip_ratios_follow_the_advantages_shape(trl: SimpleNamespace, level: str, per_sequence_adv: bool) -> None:
+    # TRL 1.16 averages clip_ratio/* over sequences only when coef_1 and the advantages are both one per sequence
+    # ((B, 1) sequence ratio, (B,) advantages); per-token advantages at sequence level give token means.
+    b = make_batch(21, torch.float64)
+    _, logged = _run_trl(trl, "grpo", level, b, b.fresh_lp(), beta=0.0, bias_kl=True, eps_high=0.28,
+                         per_sequence_adv=per_sequence_adv)
+    adv = b.adv[:, 0] if per_sequence_adv else b.adv
+    clip = trl_clip_ratio_metrics(b.lp, b.old, adv, b.mask, epsilon_low=0.2, epsilon_high=0.28,
+                                  importance_sampling_level=level)
+    for key, value in clip.items():
+        close(value, logged[f"clip_ratio/{key}"][0], torch.float32, f"clip_ratio/{key}")  # TRL logs float32 means
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "gspo", "sapo"])
+def test_extreme_ratios_are_not_clamped_under_the_trl_convention(trl: SimpleNamespace, loss_type: str) -> None:
+    # TRL takes exp of the raw log-ratio; grpo-cli's own (twinkle's) loss clamps it to ±20 first.
+    variant, level = LOSSES[loss_type]
+    b = make_batch(3, torch.float64)
+    b.old[7, :3] = b.lp[7, :3].detach() - torch.tensor([25.0, -24.0, 30.0], dtype=torch.float64)
+    per_sequence_adv = loss_type == "gspo"
+    adv = b.adv[:, :1].expand_as(b.adv) if per_sequence_adv else b.adv
+    lp_peer, lp_ours = b.fresh_lp(), b.fresh_lp()
+    peer, _ = _run_trl(trl, loss_type, level, b, lp_peer, beta=0.04, bias_kl=True, eps_high=0.28,
+                       per_sequence_adv=per_sequence_adv)
+    num, den = grpo_family_loss_terms(variant, lp_ours, b.old, b.ref, adv, b.mask, None, clip_low=0.2, clip_high=0.28,
+                                      beta=0.04, max_completion_length=b.mask.shape[1], tau_pos=1.0, tau_neg=1.05,
+                                      convention="trl")
+    ours = num / den
+    close(ours, peer, torch.float64, f"{loss_type} loss")
+    (g_peer,) = torch.autograd.grad(peer, lp_peer)
+    (g_ours,) = torch.autograd.grad(ours, lp_ours)
+    close(torch.where(b.mask, g_ours, 0), torch.where(b.mask, g_peer, 0), torch.float64, f"{loss_type} gradient")
+    clamped, _ = grpo_family_loss_terms(variant, b.lp.detach(), b.old, b.ref, adv, b.mask, None, clip_low=0.2,
+                                        clip_high=0.28, beta=0.04, max_completion_length=b.mask.shape[1],
+                                        tau_pos=1.0, tau_neg=1.05, convention="twinkle",
+                                        use_bias_correction_kl=True)
+    assert not torch.isclose(clamped / den, peer.detach().to(torch.float64), rtol=1e-6)  # the clamp would differ
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo"])

@@ -64,7 +64,7 @@ def _actor_config(core_algos: object, low: float, high: float, c: float = 3.0) -
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", AGG_MODES)
-@pytest.mark.parametrize("variant", ["vanilla", "cispo"])
+@pytest.mark.parametrize("variant", ["vanilla", "cispo", "gspo"])
 def test_policy_loss(verl: SimpleNamespace, variant: str, mode: str, dtype: torch.dtype) -> None:
     b = make_batch(2, dtype)
     cfg = _actor_config(verl.core_algos, 0.2, 0.28)
@@ -87,6 +87,26 @@ def test_policy_loss(verl: SimpleNamespace, variant: str, mode: str, dtype: torc
     close(_grad(ours, lp_ours), _grad(peer, lp_peer), dtype, f"{variant} {mode} gradient")
     for key, value in metrics.items():
         close(value, peer_metrics[f"actor/{key}"], dtype, f"{variant} actor/{key}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gspo_at_extreme_ratios(verl: SimpleNamespace, dtype: torch.dtype) -> None:
+    # verl's GSPO caps the sequence log-ratio at 10 (from above) and has no per-token ±20 bound: row 7's tokens at
+    # +25/+30 give a sequence mean above 10, row 8's at -25/-30 one below -10 (not capped).
+    b = make_batch(4, dtype)
+    b.old[7] = b.lp[7].detach() - torch.tensor([25.0, 30.0, 25.0, 30.0, 25.0, 30.0, 25.0], dtype=dtype)
+    b.old[8] = b.lp[8].detach() + torch.tensor([25.0, 30.0, 25.0, 30.0, 25.0, 30.0, 25.0], dtype=dtype)
+    cfg = _actor_config(verl.core_algos, 0.2, 0.28)
+    fn = verl.core_algos.get_policy_loss_fn("gspo")
+    for mode in AGG_MODES:
+        lp_peer, lp_ours = b.fresh_lp(), b.fresh_lp()
+        peer, peer_metrics = fn(b.old, lp_peer, b.adv, b.mask.to(dtype), mode, cfg)
+        ours, metrics = verl_policy_loss("gspo", b.old, lp_ours, b.adv, b.mask, mode, clip_ratio_low=0.2,
+                                         clip_ratio_high=0.28)
+        close(ours, peer, dtype, f"gspo {mode} loss")
+        close(_grad(ours, lp_ours), _grad(peer, lp_peer), dtype, f"gspo {mode} gradient")
+        for key, value in metrics.items():
+            close(value, peer_metrics[f"actor/{key}"], dtype, f"gspo actor/{key}")
 
 
 KL_NAMES = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k3+", "low_var_kl+", "abs+", "k2+"]

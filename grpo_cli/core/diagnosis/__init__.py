@@ -12,10 +12,10 @@ Families (inputs are whole packed sequences, the loss mask included, unless said
   the same sequence. s = +1 compares a token's ``new_logp`` with the *next* slot's ``old_logp``, which is where the
   value sits when ``old_logp`` was written one token late. Per sequence: the best shift and a table of the sequences
   that agree best at s ≠ 0.
-- **relation** (:func:`relation_update`): the least-squares line old ≈ a + b·new over valid tokens (sums of x, y,
-  xx, xy, yy), the fraction of tokens with old > new, and per-sequence means of d = old − new (with their spread,
-  for a confidence bound). A temperature on one side tilts the line (b ≠ 1); top-p/top-k renormalisation lifts
-  ``old`` on nearly every token (old > new, a > 0, b ≈ 1).
+- **pairs** (:func:`pairs_update`): each behaviour log-prob against the training log-prob of the same weights (lag
+  0; ``new_logp`` or ``prox_logp``, whichever is closer): the two-direction tilt and temperature ratio, the one-sided
+  lift of likely and unlikely tokens, exp|d| and the weight tail, re-tokenised tokens, ``prox_logp == old_logp`` on
+  stale tokens — each per block of GRPO groups, for jackknife intervals.
 - **zeros** (:func:`zeros_update`): valid tokens whose log-prob is exactly 0 per column, ``old_logp`` = 0 where
   ``new_logp`` is clearly below 0 (an engine that returned no log-prob), trailing runs of exact zeros (padding), and
   with ``versions``: prompt tokens (version < 0) in the loss and generated tokens (version ≥ 0) left out of it.
@@ -28,28 +28,20 @@ Families (inputs are whole packed sequences, the loss mask included, unless said
 - **lags** (:func:`lags_update`): per lag bin, |new − old| and the error of AReaL's log-linear proximal
   approximation ``old + α(new − old)``, α = (k − 1)/k, against the dumped (recomputed) ``prox_logp``; lag-0 figures.
 
-One module per family (``shift``, ``relation``, ``zeros``, ``equality``, ``duplicates``, ``groups``,
-``by_step``, ``lags``), the shared plumbing in ``_common``, and every family at once in ``combined``
-(:func:`diagnosis_state`, :func:`diagnosis_update`, :func:`diagnosis_compute`); this package re-exports
-them all.
+One module per family (``shift``, ``pairs``, ``zeros``, ``equality``, ``duplicates``, ``groups``, ``by_step``,
+``lags``) and the shared plumbing (and the jackknife) in ``_common``; this package re-exports them all. The one
+wiring of the families into a streaming run is :mod:`grpo_cli.metrics.diagnosis`.
 """
 
 from __future__ import annotations
 
 from grpo_cli.core.diagnosis._common import LOGP_COLUMNS, TOP_FIELDS
 from grpo_cli.core.diagnosis.by_step import LAG0_SEQ_MIN_TOKENS, by_step_compute, by_step_state, by_step_update
-from grpo_cli.core.diagnosis.combined import diagnosis_compute, diagnosis_state, diagnosis_update
 from grpo_cli.core.diagnosis.duplicates import duplicates_compute, duplicates_state, duplicates_update, sequence_hash
 from grpo_cli.core.diagnosis.equality import equality_compute, equality_state, equality_update
 from grpo_cli.core.diagnosis.groups import SCALE_TOLERANCE, groups_compute, groups_state, groups_update
 from grpo_cli.core.diagnosis.lags import BIG_SEQ_MISMATCH, MAX_DIAG_LAG, lags_compute, lags_state, lags_update
-from grpo_cli.core.diagnosis.relation import (
-    ONESIDED_FRAC,
-    ONESIDED_MIN_TOKENS,
-    relation_compute,
-    relation_state,
-    relation_update,
-)
+from grpo_cli.core.diagnosis.pairs import pairs_compute, pairs_state, pairs_update
 from grpo_cli.core.diagnosis.shift import (
     MIN_SEQ_PAIRS,
     SHIFT_FLOOR,
@@ -70,9 +62,6 @@ __all__ = [
     "by_step_compute",
     "by_step_state",
     "by_step_update",
-    "diagnosis_compute",
-    "diagnosis_state",
-    "diagnosis_update",
     "duplicates_compute",
     "duplicates_state",
     "duplicates_update",
@@ -85,9 +74,9 @@ __all__ = [
     "lags_compute",
     "lags_state",
     "lags_update",
-    "relation_compute",
-    "relation_state",
-    "relation_update",
+    "pairs_compute",
+    "pairs_state",
+    "pairs_update",
     "sequence_hash",
     "shift_compute",
     "shift_state",
@@ -97,8 +86,6 @@ __all__ = [
     "zeros_update",
     "BIG_SEQ_MISMATCH",
     "LAG0_SEQ_MIN_TOKENS",
-    "ONESIDED_FRAC",
-    "ONESIDED_MIN_TOKENS",
     "SCALE_TOLERANCE",
     "SHIFT_FLOOR",
 ]

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grpo_cli._intervals import t975
 from grpo_cli.core.state import MetricState
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "as_float",
     "counts_by",
     "first_index",
+    "jackknife",
     "last_index",
     "locations",
     "sums_by",
@@ -105,3 +107,35 @@ def table_rows(table: Tensor) -> list[dict[str, Any]]:
             "step": None if math.isnan(r[3]) else int(r[3]), "value": r[4],
         })
     return out
+
+
+# -- uncertainty ------------------------------------------------------------------------------------------------------
+def jackknife(stat: Any, blocks: Tensor) -> tuple[float, float, float]:
+    """A statistic of summed quantities and its delete-a-block jackknife 95 % interval.
+
+    Args:
+        stat: maps a ``[m]`` float64 vector of totals to a float (NaN where undefined).
+        blocks: ``[K, m]`` the same quantities summed per block of sequences (a hash of the sequence's GRPO group, so
+            correlated samples of one prompt share a block; see :func:`grpo_cli.engine.blocks.block_keys`).
+
+    Returns:
+        ``(value, low, high)``: ``stat`` of the totals, ± t(g − 1)·se with the delete-a-group jackknife
+        variance (g − 1)/g · Σ (θ_(k) − θ_(·))² over the g non-empty blocks (Efron & Stein 1981). The interval is
+        (−∞, ∞) with fewer than two usable blocks: no spread can be estimated.
+    """
+    blocks = blocks.to(torch.float64).cpu()
+    total = blocks.sum(0)
+    value = float(stat(total))
+    loo = []
+    for k in range(blocks.shape[0]):
+        if bool((blocks[k] != 0).any()):
+            theta = float(stat(total - blocks[k]))
+            if math.isfinite(theta):
+                loo.append(theta)
+    g = len(loo)
+    if g < 2 or not math.isfinite(value):
+        return value, -math.inf, math.inf
+    mean = math.fsum(loo) / g
+    se = math.sqrt((g - 1) / g * math.fsum((x - mean) ** 2 for x in loo))
+    half = t975(g - 1) * se
+    return value, value - half, value + half

@@ -19,7 +19,7 @@ __all__ = ["LAG0_SEQ_MIN_TOKENS", "by_step_compute", "by_step_state", "by_step_u
 _STEP_COLUMNS = (
     "n_tok", "n_old", "sum_abs", "n_lag0", "sum_abs_lag0", "sum_exp_lag0", "n_ent", "sum_ent", "sum_neg_new",
     "n_seq", "n_eos_known", "n_no_eos", "n_lag", "sum_lag", "n_clip_known", "n_clip", "n_prox", "sum_prox_abs",
-    "n_rew", "sum_rew", "n_tail_lag0",
+    "n_rew", "sum_rew", "n_tail_lag0", "n_ref", "eq_ref_new", "eq_ref_old", "eq_ref_prox",
 )
 _STEP_OPS = (Reduce.SUM,) * len(_STEP_COLUMNS) + (Reduce.MAX, Reduce.MAX)
 _STEP_LAG_OPS = (Reduce.SUM, Reduce.SUM, Reduce.MAX, Reduce.MIN, Reduce.MIN)
@@ -50,6 +50,7 @@ def by_step_update(
     epsilon_high: float | None = None,
     prox_logp: Tensor | None = None,
     rewards: Tensor | None = None,
+    ref_logp: Tensor | None = None,
 ) -> None:
     """Fold one batch of **valid tokens** into ``state``.
 
@@ -67,6 +68,9 @@ def by_step_update(
         prox_logp: ``[N]`` proximal log-probs for the step's own policy change mean |new − prox|, or ``None``.
         rewards: ``[B]`` per-sequence rewards (the step's mean reward, which tells convergence from collapse), or
             ``None``.
+        ref_logp: ``[N]`` reference log-probs, or ``None``: per step, the tokens where it equals ``new``/``old``/
+            ``prox`` bitwise (and is not 0), which a reference that is the policy's initial weights does only in the
+            first steps.
     """
     n_seq = cu_seqlens.numel() - 1
     if n_seq == 0:
@@ -119,6 +123,11 @@ def by_step_update(
     if prox_logp is not None:
         cols["n_prox"] = cols["n_tok"]
         cols["sum_prox_abs"] = tok_sum((new - as_float(prox_logp)).abs())
+    if ref_logp is not None:
+        cols["n_ref"] = cols["n_tok"]
+        for name, other in (("new", new_logp), ("old", old_logp), ("prox", prox_logp)):
+            if other is not None:
+                cols[f"eq_ref_{name}"] = tok_sum((ref_logp == other) & (ref_logp != 0))
     if advantages is not None and base_logp is not None:
         ratio = torch.exp(new - as_float(base_logp))
         adv = as_float(advantages)
@@ -170,7 +179,9 @@ def _step_lag_rows(step: Tensor, seq: Tensor, new: Tensor, old: Tensor, lag: Ten
 def by_step_compute(state: KeyedState) -> dict[str, Any]:
     """``diag/by_step``: one row per step, in step order, ``{step, n_tokens, abs_diff_mean, lag0_n_tokens,
     lag0_abs_diff_mean, lag0_mult_prob_error, entropy_mean, neg_logp_mean, n_sequences, no_eos_frac, lag_mean,
-    lag_max, clip_frac, lag0_seq_max, prox_abs_diff_mean, reward_mean, lag0_tail_frac}`` (``lag0_tail_frac``:
+    lag_max, clip_frac, lag0_seq_max, prox_abs_diff_mean, reward_mean, lag0_tail_frac, n_ref, ref_equal_new,
+    ref_equal_old, ref_equal_prox}`` (``ref_equal_*``: tokens where ``ref_logp`` equals that column bitwise and is
+    not 0, of ``n_ref``; ``lag0_tail_frac``:
     the lag-0 tokens whose weight exp(new − old) lies outside [1/2, 2]; ``prox_abs_diff_mean``: mean |new − prox|,
     the policy's own change over one version; ``lag0_seq_max``: the largest per-sequence mean |new − old| over the lag-0
     tokens of sequences with ≥ LAG0_SEQ_MIN_TOKENS of them: the worst engine of the step, which a broken worker
@@ -203,6 +214,8 @@ def by_step_compute(state: KeyedState) -> dict[str, Any]:
             "prox_abs_diff_mean": ratio("sum_prox_abs", "n_prox"),
             "reward_mean": ratio("sum_rew", "n_rew"),
             "lag0_tail_frac": ratio("n_tail_lag0", "n_lag0"),
+            "n_ref": int(c["n_ref"]),
+            **{f"ref_equal_{name}": int(c[f"eq_ref_{name}"]) for name in ("new", "old", "prox")},
         })
     by_lag = []
     for r in state["sl"].tolist():

@@ -15,15 +15,15 @@ from grpo_cli.core.state import Reduce
 
 __all__ = ["SCALE_TOLERANCE", "groups_compute", "groups_state", "groups_update"]
 
-_GROUP_OPS = (Reduce.SUM,) * 6 + (Reduce.MIN, Reduce.MIN)
+_GROUP_OPS = (Reduce.SUM,) * 7 + (Reduce.MIN, Reduce.MIN)
 SCALE_TOLERANCE = 0.1
 """Tolerance on a group's log advantage scale (±10 %). The models account for the group size (the unbiased std's
 factor √(n/(n − 1))), so only the std's ε (1e-6 to 1e-4 in the peers) and float rounding move a consistent group."""
 
 
 def groups_state(device: torch.device | str | None = None) -> KeyedState:
-    """An empty state for :func:`groups_update`: a keyed table ``g`` with columns (n, Σr, Σr², ΣA, ΣA², ΣrA, step,
-    group_id)."""
+    """An empty state for :func:`groups_update`: a keyed table ``g`` with columns (n, Σr, Σr², ΣA, ΣA², ΣrA,
+    n_masked_out, step, group_id)."""
     return KeyedState({}, {"g": _GROUP_OPS}, device)
 
 
@@ -72,8 +72,10 @@ def groups_update(
     gid = group_id.to(device=device, dtype=torch.int64)
     st = step.to(device=device, dtype=torch.int64) if step is not None else torch.zeros_like(gid)
     key = (st * (1 << 32) + gid).to(torch.float64)
+    masked_out = (v_n == 0).to(torch.float64)
     rows = torch.stack(
-        [key, torch.ones_like(r), r, r * r, a, a * a, r * a, st.to(torch.float64), gid.to(torch.float64)], dim=1
+        [key, torch.ones_like(r), r, r * r, a, a * a, r * a, masked_out, st.to(torch.float64), gid.to(torch.float64)],
+        dim=1,
     )
     state.update(g=rows[keep])
 
@@ -85,7 +87,9 @@ def groups_compute(state: KeyedState, *, limit: int = 8) -> dict[str, Any]:
 
     - ``diag/groups_n``: groups; ``diag/groups_spread_n``: groups whose rewards differ;
     - ``diag/adv_sign_flip_frac``: spread groups where cov(r, A) < 0 (higher reward, lower advantage);
-    - ``diag/adv_uncentred_frac``: groups whose mean A is not 0 (|mean A| > 1e-3 + 0.05·sd A);
+    - ``diag/adv_uncentred_frac``: groups whose mean A is not 0 (|mean A| > 1e-3 + 0.05·sd A), among the groups
+      without a sequence wholly outside the loss mask (``diag/adv_centring_n``): a dump writes such a row's advantages
+      as padding (TRL's masked completions), so its group's mean says nothing about the advantages it trained on;
     - ``diag/adv_scale_exponent``: the least-squares slope of log(cov(r, A)/var(r)) against log sd(r) over spread
       groups with positive cov: −1 when A is divided by the group std, 0 when it is not or by a batch-wide std, −2
       when divided by the variance; absent with fewer than 4 such groups or a range of log sd below 0.05;
@@ -113,11 +117,14 @@ def groups_compute(state: KeyedState, *, limit: int = 8) -> dict[str, Any]:
     if t.shape[0] == 0:
         return out
     flipped = spread & (cov < 0)
-    uncentred = ma.abs() > 1e-3 + 0.05 * va.sqrt()
+    judged = t[:, 7] == 0
+    uncentred = judged & (ma.abs() > 1e-3 + 0.05 * va.sqrt())
     if int(spread.sum()):
         out["diag/adv_sign_flip_frac"] = int(flipped.sum()) / int(spread.sum())
         out["diag/adv_group_std_mean"] = float(va[spread].sqrt().mean())
-    out["diag/adv_uncentred_frac"] = int(uncentred.sum()) / int(t.shape[0])
+    out["diag/adv_centring_n"] = int(judged.sum())
+    if int(judged.sum()):
+        out["diag/adv_uncentred_frac"] = int(uncentred.sum()) / int(judged.sum())
     fit = spread & (cov > 0)
     if int(fit.sum()) >= 4:
         lx = 0.5 * torch.log(vr[fit])
@@ -136,6 +143,6 @@ def groups_compute(state: KeyedState, *, limit: int = 8) -> dict[str, Any]:
     for mask, why in ((flipped, "sign"), (uncentred & ~flipped, "uncentred")):
         for r in t[mask][:limit].tolist():
             if len(where) < limit:
-                where.append({"step": int(r[7]), "group_id": int(r[8]), "problem": why})
+                where.append({"step": int(r[8]), "group_id": int(r[9]), "problem": why})
     out["diag/adv_where"] = where
     return out

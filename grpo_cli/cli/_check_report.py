@@ -143,7 +143,9 @@ def check(
         typer.echo(f"grpo-cli: warning: {note}", err=True)
     json_baseline = bool(baseline) and is_json_baseline(baseline or [])
     base = load_baseline((baseline or [])[0]) if json_baseline else None
-    dataset = open_input(paths, column_map, preset)
+    # An unreadable file is skipped only under an explicit --on-invalid skip (check's own default stays strict).
+    read_as = "error" if require_valid else config.on_invalid
+    dataset = open_input(paths, column_map, preset, read_as)
     # The dump's recorded options fill what neither the command line nor the rules' [analyze] table set.
     plain_config = config
     options, from_metadata = metadata_defaults(ctx, dataset.files, config, fixed=rule_set.analyze)
@@ -151,7 +153,7 @@ def check(
     base_dump, base_config = None, None
     if baseline and not json_baseline:
         # The baseline run is measured with its own recorded options, as diff and report --compare read each run.
-        base_dump = open_input([str(p) for p in baseline], column_map, preset)
+        base_dump = open_input([str(p) for p in baseline], column_map, preset, read_as)
         base_found, _ = metadata_defaults(ctx, base_dump.files, plain_config, fixed=rule_set.analyze)
         base_config = with_options(plain_config, base_found)
     started = time.perf_counter()
@@ -256,7 +258,8 @@ def report(
                                                                 **options)
     for note in analyze_config.ppo_notes():
         typer.echo(f"grpo-cli: warning: {note}", err=True)
-    dataset = open_input(paths, column_map, preset)
+    read_as = "error" if require_valid else analyze_config.on_invalid  # skip unreadable files only if asked
+    dataset = open_input(paths, column_map, preset, read_as)
     # The dump's recorded options fill what neither the command line nor a rules file set; the configs are chosen
     # again so compare-prox's follow analyze's as usual (a rules file's [compare_prox] still wins there).
     in_rules = {name for _, rule_set in rule_sets for name in rule_set.analyze}
@@ -269,7 +272,7 @@ def report(
     base_metadata: dict[str, Any] = {}
     if compare:
         # The base run is read with its own recorded options, as diff reads each run.
-        baseline = open_input(compare, column_map, preset)
+        baseline = open_input(compare, column_map, preset, read_as)
         base_found, base_metadata = metadata_defaults(ctx, baseline.files, plain_config, fixed=in_rules)
         base_config = with_options(plain_config, base_found)
     with streaming(dataset, quiet, executor) as progress:

@@ -1,4 +1,5 @@
-"""The commands around the data: ``schema``, ``convert``, ``advantages`` and ``sample``."""
+"""The commands that describe, convert, recompute or make a dump: ``schema``, ``convert``, ``advantages`` and
+``sample``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from grpo_cli._choices import ADVANTAGE_ESTIMATORS, CONVERT_FORMATS
+from grpo_cli._choices import ADVANTAGE_ESTIMATORS, CONVERT_FORMATS, PRESET_NAMES
 from grpo_cli.cli._app import app
 from grpo_cli.cli._options import (
     DEFAULT_BATCH_TOKENS,
@@ -34,12 +35,17 @@ from grpo_cli.cli._options import (
 )
 from grpo_cli.errors import EXIT_CHECK_FAILED, UsageError
 
-__all__ = ["advantages", "convert", "explain", "sample", "schema"]
+__all__ = ["advantages", "convert", "sample", "schema"]
 
 
 @app.command()
 def schema(
-    preset: PresetOpt = None,
+    preset: Annotated[
+        str | None,
+        typer.Option("--preset", **one_of(*PRESET_NAMES),
+                     help="Also show this framework's column map: the tensors each schema column is read from "
+                     "(first present wins), its alignment and window, and notes on its conventions."),
+    ] = None,
     output_format: FormatOpt = "table",
     output: OutputOpt = None,
 ) -> None:
@@ -194,7 +200,7 @@ def advantages(
         device=check_device(device),
     )
     config.validate()
-    dataset = open_input(paths, column_map, preset)
+    dataset = open_input(paths, column_map, preset, on_invalid)
     with streaming(dataset, True, executor):
         result = check_advantages(dataset, config, write=None if write is None else to_path(write),
                                   workers=resolve_workers(workers, device))
@@ -230,13 +236,3 @@ def sample(
         raise UsageError(f"{out}: cannot write ({exc.strerror or exc})") from None
     if not quiet:
         typer.echo(f"wrote {out}", err=True)
-
-
-@app.command()
-def explain(
-    code: Annotated[str, typer.Argument(metavar="CODE", help="A finding's code, e.g. GRP101.")],
-) -> None:
-    """What a finding means, why it matters, how it is detected and how to fix it (docs/findings.md)."""
-    from grpo_cli.findings import explain as explanation
-
-    emit(explanation(code), None)
