@@ -5,6 +5,7 @@ from typing import Any
 
 import pytest
 import torch
+from seaweed import s3_server  # noqa: F401  # the SeaweedFS fixture (session-scoped, started on first use)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -30,6 +30,7 @@ from grpo_cli.cli._options import (
     DeviceOpt,
     EpsilonHighOpt,
     EpsilonOpt,
+    ExecutorOpt,
     FormatOpt,
     ImportanceLevelOpt,
     IsThresholdOpt,
@@ -63,8 +64,8 @@ from grpo_cli.cli._options import (
     metadata_defaults,
     one_of,
     open_input,
-    progress_bar,
     resolve_workers,
+    streaming,
     warn_skipped,
     with_options,
     write_result,
@@ -144,6 +145,7 @@ def analyze(
     vllm_is_clip_max: VllmIsClipMaxOpt = DEFAULT_VLLM_IS_CLIP_MAX,
     vllm_is_clip_min: VllmIsClipMinOpt = None,
     workers: WorkersOpt = None,
+    executor: ExecutorOpt = "local",
     quiet: QuietOpt = False,
     all_tables: Annotated[
         bool, typer.Option("--all", help="Show every figure's table after the findings (default: the headline ones).")
@@ -194,7 +196,7 @@ def analyze(
     if tensorboard is not None:
         config, split_added = with_step_split(config, dataset.columns)
     detect = DetectConfig(max_staleness=max_staleness, prox_approximation=prox_approximation) if findings else None
-    with progress_bar(dataset.n_tokens, quiet) as progress:
+    with streaming(dataset, quiet, executor) as progress:
         result = run_analysis(dataset, config, progress=progress, workers=resolve_workers(workers, device),
                               findings=detect, select=select or ())
     if from_metadata:
@@ -249,6 +251,7 @@ def compare_prox(
     on_invalid: OnInvalidOpt = "error",
     names: NamesOpt = "grpo-cli",
     workers: WorkersOpt = None,
+    executor: ExecutorOpt = "local",
     quiet: QuietOpt = False,
 ) -> None:
     """How close AReaL's proximal approximations come to the recomputed prox_logp, by staleness lag.
@@ -273,7 +276,7 @@ def compare_prox(
     config = with_options(config, options)
     if current_version is not None and "current_version" in dataset.columns:
         typer.echo("grpo-cli: warning: --current-version is ignored: the dump has a current_version column", err=True)
-    with progress_bar(dataset.n_tokens, quiet) as progress:
+    with streaming(dataset, quiet, executor) as progress:
         result = run_compare(dataset, config, progress=progress, workers=resolve_workers(workers, device))
     if from_metadata:
         result.config["from_metadata"] = from_metadata

@@ -16,6 +16,7 @@ from grpo_cli.cli._options import (
     CurrentVersionOpt,
     DeviceOpt,
     EpsilonHighOpt,
+    ExecutorOpt,
     MapOpt,
     MaxStalenessOpt,
     OutputOpt,
@@ -28,7 +29,7 @@ from grpo_cli.cli._options import (
     metadata_defaults,
     one_of,
     open_input,
-    progress_bar,
+    streaming,
     warn_skipped,
     with_options,
     write_result,
@@ -91,6 +92,7 @@ def check(
     column_map: MapOpt = None,
     preset: PresetOpt = None,
     quiet: QuietOpt = False,
+    executor: ExecutorOpt = "local",
     select: Annotated[
         list[str] | None,
         typer.Option("--select", help="Built-in detectors to run, by code (GRP101), code prefix (GRP1) or category "
@@ -155,7 +157,7 @@ def check(
         base_found, _ = metadata_defaults(ctx, base_dump.files, plain_config, fixed=rule_set.analyze)
         base_config = with_options(plain_config, base_found)
     started = time.perf_counter()
-    with progress_bar(dataset.n_tokens, quiet) as progress:
+    with streaming(dataset, quiet, executor) as progress:
         report = run_check(dataset, rule_set, config, baseline=base, warn_only=warn_only,
                            require_valid_input=require_valid, progress=progress,
                            findings=DetectConfig(max_staleness=max_staleness, prox_approximation=prox_approximation),
@@ -232,6 +234,7 @@ def report(
                      "same options and drawn dashed on every trend chart (docs/diff.md)."),
     ] = None,
     quiet: QuietOpt = False,
+    executor: ExecutorOpt = "local",
 ) -> None:
     """One self-contained offline HTML page: per-step trends, distributions, staleness, compare-prox and the
     `check --rules-preset sanity` verdict (docs/report.md). Exit 0 whatever the verdicts say."""
@@ -272,7 +275,7 @@ def report(
         baseline = open_input(compare, column_map, preset, read_as)
         base_found, base_metadata = metadata_defaults(ctx, baseline.files, plain_config, fixed=in_rules)
         base_config = with_options(plain_config, base_found)
-    with progress_bar(dataset.n_tokens, quiet) as progress:
+    with streaming(dataset, quiet, executor) as progress:
         result = build_report(dataset, rule_sets, analyze_config, prox_config, require_valid=require_valid,
                               progress=progress, preset=preset, baseline=baseline, baseline_config=base_config)
     if from_metadata:

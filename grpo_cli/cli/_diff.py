@@ -17,6 +17,7 @@ from grpo_cli.cli._options import (
     DeviceOpt,
     EpsilonHighOpt,
     EpsilonOpt,
+    ExecutorOpt,
     FormatOpt,
     ImportanceLevelOpt,
     IsThresholdOpt,
@@ -32,8 +33,8 @@ from grpo_cli.cli._options import (
     config_from,
     metadata_defaults,
     open_input,
-    progress_bar,
     resolve_workers,
+    streaming,
     warn_skipped,
     with_options,
     write_result,
@@ -111,6 +112,7 @@ def diff(
     preset: PresetOpt = None,
     on_invalid: OnInvalidOpt = "error",
     workers: WorkersOpt = None,
+    executor: ExecutorOpt = "local",
     quiet: QuietOpt = False,
 ) -> None:
     """Is the difference between two runs real? Every figure side by side, its change and a jackknife interval."""
@@ -127,7 +129,7 @@ def diff(
         dataset = open_input(paths, column_map, preset, config.on_invalid)
         # Each run is measured with its own dump's recorded options where the command line gave none.
         found, reported = metadata_defaults(ctx, dataset.files, config)
-        with progress_bar(dataset.n_tokens, quiet) as progress:
+        with streaming(dataset, quiet, executor) as progress:
             run = measure(dataset, with_options(config, found), name, progress=progress,
                           workers=resolve_workers(workers, device))
         warn_skipped(run.result.metrics)

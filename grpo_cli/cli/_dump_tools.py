@@ -14,6 +14,7 @@ from grpo_cli.cli._options import (
     DEFAULT_BATCH_TOKENS,
     BatchTokensOpt,
     DeviceOpt,
+    ExecutorOpt,
     FormatOpt,
     MapOpt,
     OnInvalidOpt,
@@ -28,6 +29,7 @@ from grpo_cli.cli._options import (
     one_of,
     open_input,
     resolve_workers,
+    streaming,
     warn_skipped,
     write_result,
 )
@@ -60,7 +62,8 @@ def schema(
 @app.command()
 def convert(
     sources: Annotated[list[str], typer.Argument(help="Source files or directories.")],
-    out_dir: Annotated[Path, typer.Option("--output", "-o", help="Output directory (new or empty).")],
+    out_dir: Annotated[str, typer.Option("--output", "-o", help="Output directory or object-storage prefix "
+                                         "(s3://bucket/prefix, gs://, hdfs://, abfs://; new or empty).")],
     source_format: Annotated[
         str | None,
         typer.Option("--from", **one_of(*CONVERT_FORMATS),
@@ -120,7 +123,8 @@ def advantages(
         bool, typer.Option("--fail-on-mismatch", help="Exit 1 when any sequence disagrees beyond the tolerance.")
     ] = False,
     write: Annotated[
-        Path | None, typer.Option("--write", help="Also write the dump with the recomputed advantages here.")
+        str | None, typer.Option("--write", help="Also write the dump with the recomputed advantages to this Parquet "
+                                 "file (or object, s3://bucket/key.parquet).")
     ] = None,
     valid_only: Annotated[
         bool, typer.Option("--valid-only", help="Compare loss-mask tokens only (default: every token of a "
@@ -172,6 +176,7 @@ def advantages(
     batch_tokens: BatchTokensOpt = DEFAULT_BATCH_TOKENS,
     device: DeviceOpt = "cpu",
     workers: WorkersOpt = None,
+    executor: ExecutorOpt = "local",
     on_invalid: OnInvalidOpt = "error",
     output_format: FormatOpt = "table",
     output: OutputOpt = None,
@@ -182,6 +187,7 @@ def advantages(
     """Recompute advantages from the rewards and compare them with the dump's; on a mismatch, say which common
     variant of the estimator matches (exit 1 with --fail-on-mismatch)."""
     from grpo_cli.commands.advantages import AdvantageCheckConfig, check_advantages, parse_norm_spec
+    from grpo_cli.io.storage import to_path
     from grpo_cli.render.advantages import mismatch_line, render_advantages_table
     from grpo_cli.render.documents import json_document, to_csv
 
@@ -195,7 +201,9 @@ def advantages(
     )
     config.validate()
     dataset = open_input(paths, column_map, preset, on_invalid)
-    result = check_advantages(dataset, config, write=write, workers=resolve_workers(workers, device))
+    with streaming(dataset, True, executor):
+        result = check_advantages(dataset, config, write=None if write is None else to_path(write),
+                                  workers=resolve_workers(workers, device))
     warn_skipped(result.metrics)
     if write is not None and not quiet:
         typer.echo(f"wrote {write}", err=True)

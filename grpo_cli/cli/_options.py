@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import sys
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -29,6 +28,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from grpo_cli.io.reader import RolloutDataset
+    from grpo_cli.io.storage import Location
 
 __all__ = [
     "DEFAULT_BATCH_TOKENS",
@@ -54,6 +54,7 @@ __all__ = [
     "one_of",
     "open_input",
     "progress_bar",
+    "streaming",
     "resolve_workers",
     "write_result",
     "warn_skipped",
@@ -100,6 +101,13 @@ MapOpt = Annotated[
     list[str] | None, typer.Option("--map", help="Rename a column: canonical=actual (repeatable).")
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+ExecutorOpt = Annotated[
+    str,
+    typer.Option("--executor", **one_of("local", "ray"),
+                 help="Where the (file, row-group) units run: local processes (--workers), or the tasks of the Ray "
+                 "cluster RAY_ADDRESS names, else of a local one (pip install 'grpo-cli[ray]'). The same figures, "
+                 "bit for bit (docs/performance.md)."),
+]
 WorkersOpt = Annotated[
     int | None,
     typer.Option("--workers", help="CPU cores to use: processes read (file, row-group) units in parallel and the "
@@ -209,10 +217,17 @@ ProxApproximationOpt = Annotated[
 ]
 
 
+LOCAL_PROGRESS_TOKENS = 2_000_000
+"""Tokens from which a local read shows a progress bar (smaller dumps take about a second)."""
+REMOTE_PROGRESS_TOKENS = 100_000
+"""The same for object storage: a few row groups already take seconds of round trips."""
+
+
 @contextlib.contextmanager
-def progress_bar(total: int, quiet: bool) -> Iterator[Callable[[int], None] | None]:
-    """A token progress bar on stderr, only on a terminal and for inputs big enough to wait for."""
-    if quiet or total < 2_000_000 or not sys.stderr.isatty():
+def progress_bar(total: int, quiet: bool, threshold: int = LOCAL_PROGRESS_TOKENS
+                 ) -> Iterator[Callable[[int], None] | None]:
+    """A token progress bar on stderr, only on a terminal and for inputs of at least ``threshold`` tokens."""
+    if quiet or total < threshold or not sys.stderr.isatty():
         yield None
         return
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -229,6 +244,22 @@ def progress_bar(total: int, quiet: bool) -> Iterator[Callable[[int], None] | No
     ) as bar:
         task = bar.add_task("tokens", total=total)
         yield lambda n: bar.advance(task, n)
+
+
+@contextlib.contextmanager
+def streaming(dataset: RolloutDataset, quiet: bool, executor: str = "local") -> Iterator[Callable[[int], None] | None]:
+    """The progress callback of one streaming pass over ``dataset`` (:func:`progress_bar`; also for smaller dumps
+    when they are read from object storage, where each row group is a round trip), on ``executor``."""
+    from grpo_cli.io.storage import RemotePath
+
+    remote = any(isinstance(path, RemotePath) for path in dataset.files)
+    with contextlib.ExitStack() as stack:
+        if executor != "local":
+            from grpo_cli.engine.parallel import use_executor
+
+            stack.enter_context(use_executor(executor))
+        yield stack.enter_context(progress_bar(dataset.n_tokens, quiet, threshold=REMOTE_PROGRESS_TOKENS if remote
+                                               else LOCAL_PROGRESS_TOKENS))
 
 
 def resolve_workers(workers: int | None, device: str) -> int:
@@ -319,7 +350,7 @@ def given(ctx: typer.Context, name: str) -> bool:
 
 def metadata_defaults(
     ctx: typer.Context,
-    files: Sequence[str | os.PathLike[str]],
+    files: Sequence[Location],
     config: Any,
     *,
     fixed: Collection[str] = (),

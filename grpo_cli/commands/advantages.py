@@ -19,11 +19,9 @@ import copy
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, cast
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
@@ -34,6 +32,7 @@ from grpo_cli.errors import InputError, UsageError
 from grpo_cli.io.parquet_file import ColumnRewriter
 from grpo_cli.io.reader import RolloutDataset
 from grpo_cli.io.schema import COLUMNS, ColumnKind, Layout
+from grpo_cli.io.storage import DumpPath, read_schema
 from grpo_cli.metrics.adv_check import (
     AdvCheckGroup,
     AdvMomentsGroup,
@@ -89,9 +88,9 @@ class _Writer:
     """Writes every input row, in order, to one Parquet file with the recomputed ``advantages`` column (through the
     io layer's :class:`~grpo_cli.io.parquet_file.ColumnRewriter`)."""
 
-    def __init__(self, out: Path, dataset: RolloutDataset, column: str, cfg: AdvantageCheckConfig) -> None:
+    def __init__(self, out: DumpPath, dataset: RolloutDataset, column: str, cfg: AdvantageCheckConfig) -> None:
         self.out, self.dataset = out, dataset
-        first = pq.read_schema(dataset.files[0])
+        first = read_schema(dataset.files[0])
         index = first.get_field_index(column)
         old_type = first.field(index).type if index >= 0 else None
         inner = old_type.value_type if old_type is not None and pa.types.is_list(old_type) else old_type
@@ -146,7 +145,7 @@ def _resolve_batch_by(dataset: RolloutDataset, cfg: AdvantageCheckConfig) -> str
     return choice
 
 
-def _require(dataset: RolloutDataset, cfg: AdvantageCheckConfig, write: Path | None) -> None:
+def _require(dataset: RolloutDataset, cfg: AdvantageCheckConfig, write: DumpPath | None) -> None:
     have = dataset.columns
     need = {"rewards": "every estimator recomputes advantages from the rewards"}
     if cfg.estimator in PER_SEQUENCE_ESTIMATORS:
@@ -168,7 +167,7 @@ def check_advantages(
     dataset: RolloutDataset,
     cfg: AdvantageCheckConfig,
     *,
-    write: Path | None = None,
+    write: DumpPath | None = None,
     workers: int = 1,
     progress: Callable[[int], None] | None = None,
 ) -> AdvantageCheckResult:
@@ -253,7 +252,7 @@ def check_advantages(
     )
 
 
-def _write(dataset: RolloutDataset, cfg: AdvantageCheckConfig, recompute: Recompute, out: Path) -> None:
+def _write(dataset: RolloutDataset, cfg: AdvantageCheckConfig, recompute: Recompute, out: DumpPath) -> None:
     """Write every row of the dump, in order, with the recomputed ``advantages`` (one sequential pass)."""
     device = torch.device(cfg.device)
     writer = _Writer(out, dataset, dataset.column_map.get("advantages", "advantages"), cfg)
@@ -277,7 +276,7 @@ def per_token_advantages(dataset: RolloutDataset) -> bool:
     if dataset.layout is Layout.TOKEN_PER_ROW:
         return True
     name = dataset.column_map.get("advantages", "advantages")
-    schema = pq.read_schema(dataset.files[0])
+    schema = read_schema(dataset.files[0])
     dtype = schema.field(schema.get_field_index(name)).type
     return pa.types.is_list(dtype) or pa.types.is_large_list(dtype)
 

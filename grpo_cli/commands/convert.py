@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grpo_cli.engine.checks import check_part_files
 from grpo_cli.io import convert as converters
 from grpo_cli.io.convert import ConvertResult
+from grpo_cli.io.storage import DumpPath
 
 if TYPE_CHECKING:
     from grpo_cli.io.reader import RolloutDataset
@@ -39,7 +39,7 @@ def convert(
     def check(dataset: RolloutDataset, result: ConvertResult, what: str) -> None:
         validate(dataset, on_invalid, result, what)
 
-    def check_files(files: list[Path], result: ConvertResult, what: str) -> None:
+    def check_files(files: list[DumpPath], result: ConvertResult, what: str) -> None:
         _note_skipped(check_part_files(files, on_invalid), result, what)
 
     return converters.convert(sources, out_dir, check=check, check_files=check_files, **options)

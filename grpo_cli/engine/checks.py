@@ -10,18 +10,16 @@ same sequences per reason under ``skip``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from grpo_cli._constants import LOGP_COLUMNS, LOGP_TOLERANCE
 from grpo_cli.errors import InputError
+from grpo_cli.io.storage import DumpPath, Location, open_parquet, to_path
 
 __all__ = ["CHECKS", "LOGP_COLUMNS_CHECKED", "LOGP_TOLERANCE", "Check", "check_part_files"]
 
@@ -99,7 +97,7 @@ def _describe(check: Check, value: Any, tol: float, current: int | None) -> str:
 
 # -- the numpy twin, for part files ------------------------------------------------------------------------------
 def check_part_files(
-    files: Sequence[str | os.PathLike[str]],
+    files: Sequence[Location],
     on_invalid: str = "error",
     *,
     tolerance: float = LOGP_TOLERANCE,
@@ -124,9 +122,9 @@ def check_part_files(
     if not tolerance >= 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance}")
     counts = dict.fromkeys(("n_sequences_skipped", "n_tokens_skipped", *_ORDER), 0)
-    for path in sorted((Path(f) for f in files), key=str):
+    for path in sorted((to_path(f) for f in files), key=str):
         row0 = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=65536):
+        for batch in open_parquet(path).iter_batches(batch_size=65536):
             _check_batch(batch, path, row0, on_invalid, float(tolerance), current_version, counts)
             row0 += batch.num_rows
     if on_invalid == "error":
@@ -149,7 +147,7 @@ def _is_list(array: pa.Array) -> bool:
 
 
 def _check_batch(
-    batch: pa.RecordBatch, path: Path, row0: int, on_invalid: str, tol: float, current_version: int | None,
+    batch: pa.RecordBatch, path: DumpPath, row0: int, on_invalid: str, tol: float, current_version: int | None,
     counts: dict[str, int],
 ) -> None:
     names = set(batch.schema.names)
@@ -234,7 +232,7 @@ def _check_batch(
 
 
 def _first_offender(
-    found: list[tuple[Check, np.ndarray]], cu: np.ndarray, path: Path, row0: int, tol: float,
+    found: list[tuple[Check, np.ndarray]], cu: np.ndarray, path: DumpPath, row0: int, tol: float,
     current_seq: np.ndarray | None, current_version: int | None, column: Any, scalars: Any,
 ) -> InputError:
     best: tuple[int, int, int] | None = None

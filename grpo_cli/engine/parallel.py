@@ -12,6 +12,8 @@ Three ways to run the same units:
 - in process (``workers == 1``, or a dump of one unit);
 - ``--workers N``: a process pool (``fork`` on Linux for CPU runs, ``spawn`` for CUDA or elsewhere); workers take
   units in order as they become free, so big and small row groups balance themselves;
+- ``--executor ray``: every unit is a Ray task on the cluster (:mod:`grpo_cli.engine.ray_executor`), the results
+  merged in unit order as the pool's are;
 - ``torchrun``: every rank takes a contiguous range of units balanced by byte size, folds it as above, and the
   ranks' states are all-reduced over the default process group (gloo for CPU tensors, NCCL for CUDA).
   ``--group-by`` keys are unioned across ranks first. Float sums then combine in a rank-dependent tree and agree
@@ -31,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 import multiprocessing as mp
 import os
@@ -52,10 +55,12 @@ from grpo_cli.engine.group import Accumulator, MetricGroup, per_key
 from grpo_cli.engine.runner import accumulate_states
 from grpo_cli.errors import GrpoCliError, UsageError
 from grpo_cli.io.reader import RolloutDataset, Shard
+from grpo_cli.io.storage import RemotePath
 
 __all__ = [
     "MAX_COMPUTE_THREADS",
     "UNIT_BATCHES",
+    "EXECUTORS",
     "DistributedEnv",
     "accumulate",
     "all_reduce_accumulator",
@@ -66,11 +71,35 @@ __all__ = [
     "one_torch_thread",
     "plan_units",
     "split_by_bytes",
+    "use_executor",
 ]
 
 MAX_COMPUTE_THREADS = 4
 """Metric threads per process at most: the groups of a batch are the tasks, and the largest is about a fifth of
 the work, so more threads would mostly wait at the end of each batch."""
+
+EXECUTORS = ("local", "ray")
+"""Where the units run: this machine's processes (``--workers``), or the tasks of a Ray cluster."""
+_EXECUTOR: contextvars.ContextVar[str] = contextvars.ContextVar("grpo_cli_executor", default="local")
+
+
+@contextlib.contextmanager
+def use_executor(executor: str) -> Iterator[None]:
+    """Run every :func:`accumulate` inside the block on ``executor`` (``"local"`` or ``"ray"``): how the CLI's
+    ``--executor`` reaches the commands, and how a library caller sends ``grpo_cli.analyze`` to its Ray cluster.
+
+    Example:
+        >>> with use_executor("ray"):  # doctest: +SKIP
+        ...     result = analyze(dataset, AnalyzeConfig())
+    """
+    if executor not in EXECUTORS:
+        raise UsageError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    token = _EXECUTOR.set(executor)
+    try:
+        yield
+    finally:
+        _EXECUTOR.reset(token)
+
 
 UNIT_BATCHES = 4
 """A unit holds at least this many ``--batch-tokens`` budgets of tokens (fewer, larger units merge less; more,
@@ -272,10 +301,12 @@ def _run_unit(index: int) -> bytes:
     return pickle.dumps(acc.to(torch.device("cpu")))
 
 
-def _context(device: torch.device) -> mp.context.BaseContext:
+def _context(device: torch.device, remote: bool = False) -> mp.context.BaseContext:
     # fork starts a worker in milliseconds and inherits the opened dataset (the DataLoader pattern: one torch
     # thread per worker keeps OpenMP out of the child); CUDA cannot survive a fork, and only Linux forks safely.
-    if device.type == "cpu" and sys.platform.startswith("linux"):
+    # Neither does the AWS SDK under pyarrow's S3 filesystem: a forked child shares its connection pool and threads
+    # and reads garbage, so a dump in object storage gets fresh (spawned) workers, each with its own client.
+    if device.type == "cpu" and sys.platform.startswith("linux") and not remote:
         return mp.get_context("fork")
     return mp.get_context("spawn")
 
@@ -290,7 +321,7 @@ def _fold_in_pool(
     device: torch.device,
     progress: Callable[[int], None] | None,
 ) -> Accumulator:
-    ctx = _context(device)
+    ctx = _context(device, remote=any(isinstance(path, RemotePath) for path in dataset.files))
     counter = ctx.Value("q", 0)
     arrow_threads = max(1, available_cores() // workers)
     job = {"dataset": dataset, "config": config, "groups": list(groups), "units": list(units),
@@ -340,6 +371,10 @@ def _fold(
     device: torch.device,
     progress: Callable[[int], None] | None,
 ) -> Accumulator:
+    if _EXECUTOR.get() == "ray":
+        from grpo_cli.engine.ray_executor import fold_on_ray
+
+        return fold_on_ray(dataset, config, groups, units, device, progress)
     # --workers counts cores: processes take whole units, and the cores a process is left with compute its groups
     # in threads (a single-row-group dump still uses every core for the metrics).
     processes = max(1, min(workers, len(units)))
@@ -384,6 +419,8 @@ def accumulate(
     units = plan_units(dataset.shards(), UNIT_BATCHES * config.batch_tokens)
     device = _device_for(config)
     env = distributed_env()
+    if env is not None and _EXECUTOR.get() == "ray":
+        raise UsageError("--executor ray under torchrun: use one of the two (each already spreads the row groups)")
     if env is None:
         with one_torch_thread(device):
             acc = _fold(dataset, config, groups, units, workers, device, progress)

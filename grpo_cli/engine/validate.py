@@ -34,10 +34,8 @@ host sync per batch; the per-reason analysis runs only for batches that hold a p
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -64,6 +62,7 @@ from grpo_cli.errors import InputError
 if TYPE_CHECKING:
     from grpo_cli.engine.config import StreamConfig
     from grpo_cli.io.reader import RolloutDataset
+    from grpo_cli.io.storage import DumpPath, Location
 
 __all__ = [
     "CHECKS",
@@ -378,8 +377,8 @@ def skipped_warning(metrics: Mapping[str, Any]) -> str | None:
 
 
 def readable_files(
-    paths: Sequence[str | os.PathLike[str]],
-) -> tuple[list[Path], list[tuple[Path, str]]]:
+    paths: Sequence[Location],
+) -> tuple[list[DumpPath], list[tuple[DumpPath, str]]]:
     """``--on-invalid skip`` for whole files: the files of ``paths`` (as the reader expands them) whose Parquet
     footer can be read, and the others with why (a truncated or corrupt file: the footer is written last).
 
@@ -387,17 +386,22 @@ def readable_files(
         InputError: no file of ``paths`` can be read (the first one's error; there is nothing to analyse).
     """
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     from grpo_cli.io.reader import expand_paths
+    from grpo_cli.io.storage import open_parquet
 
-    readable: list[Path] = []
-    skipped: list[tuple[Path, str]] = []
+    readable: list[DumpPath] = []
+    skipped: list[tuple[DumpPath, str]] = []
     for path in expand_paths(paths):
         try:
-            pq.ParquetFile(path, memory_map=True)
+            open_parquet(path, memory_map=True)
         except (pa.ArrowException, OSError) as exc:
             skipped.append((path, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__))
+            continue
+        except InputError as exc:  # an object in object storage: only a bad file is skipped, not a refused request
+            if not exc.reason.startswith("not a readable Parquet file"):
+                raise
+            skipped.append((path, exc.reason))
             continue
         readable.append(path)
     if not readable:
@@ -406,7 +410,7 @@ def readable_files(
     return readable, skipped
 
 
-def unreadable_warning(skipped: Sequence[tuple[Path, str]], n_files: int) -> str | None:
+def unreadable_warning(skipped: Sequence[tuple[DumpPath, str]], n_files: int) -> str | None:
     """The one-line stderr warning for the files :func:`readable_files` skipped, or ``None`` when it skipped none."""
     if not skipped:
         return None

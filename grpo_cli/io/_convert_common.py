@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from grpo_cli.errors import InputError, UsageError
 from grpo_cli.io.preset_table import Preset, resolve_column_map
 from grpo_cli.io.schema import COLUMNS
+from grpo_cli.io.storage import DumpPath, RemotePath, is_uri, open_parquet
+from grpo_cli.io.storage_listing import holds_parquet, objects_with_suffix, require_bucket
 
 __all__ = ["Check", "CheckFiles", "ConvertResult"]
 
@@ -24,7 +24,7 @@ _CHUNK_TOKENS = 1 << 20
 class ConvertResult:
     """What a conversion wrote."""
 
-    files: list[Path] = field(default_factory=list)
+    files: list[DumpPath] = field(default_factory=list)
     n_sequences: int = 0
     n_tokens: int = 0
     notes: list[str] = field(default_factory=list)
@@ -39,15 +39,18 @@ Check = Callable[[Any, "ConvertResult", str], None]
 what a converter wrote; it raises :class:`~grpo_cli.errors.InputError` to refuse the data, or adds notes to
 ``result``. The command layer supplies it (``grpo_cli.commands.convert``: ``analyze``'s validation)."""
 
-CheckFiles = Callable[[list[Path], "ConvertResult", str], None]
+CheckFiles = Callable[[list[DumpPath], "ConvertResult", str], None]
 """``check_files(files, result, what)``: the same checks on the part files a converter wrote (schema column names,
 sequence-per-row), without opening a dataset, so that a converter that needs no torch runs without it
 (``grpo_cli.commands.convert``: :func:`grpo_cli.engine.checks.check_part_files`)."""
 
 
-def _expand(sources: Sequence[str | os.PathLike[str]], suffixes: tuple[str, ...]) -> list[Path]:
-    files: set[Path] = set()
+def _expand(sources: Sequence[str | os.PathLike[str]], suffixes: tuple[str, ...]) -> list[DumpPath]:
+    files: set[DumpPath] = set()
     for raw in sources:
+        if is_uri(raw):  # an object or a prefix in object storage (docs/storage.md)
+            files.update(objects_with_suffix(str(raw), suffixes))
+            continue
         path = Path(raw)
         if not path.exists():
             raise InputError("no such file or directory", file=str(path))
@@ -61,25 +64,32 @@ def _expand(sources: Sequence[str | os.PathLike[str]], suffixes: tuple[str, ...]
     return sorted(files, key=str)
 
 
-def _check_out_dir(out_dir: Path, sources: Sequence[Path]) -> None:
+def _check_out_dir(out_dir: DumpPath, sources: Sequence[DumpPath]) -> None:
+    if isinstance(out_dir, RemotePath):
+        require_bucket(out_dir)
+        if any(str(s).rstrip("/") == out_dir.uri.rstrip("/") for s in sources):
+            raise UsageError(f"-o {out_dir}: is one of the sources")
+        if holds_parquet(out_dir):
+            raise UsageError(f"-o {out_dir}: already holds .parquet objects; choose an empty or new prefix")
+        return
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"-o {out_dir}: not a directory")
     if out_dir.exists() and any(out_dir.rglob("*.parquet")):
         raise UsageError(f"-o {out_dir}: already holds .parquet files; choose an empty or new directory")
     resolved = out_dir.resolve()
     for source in sources:
-        if source.resolve() == resolved:
+        if isinstance(source, Path) and source.resolve() == resolved:
             raise UsageError(f"-o {out_dir}: is one of the sources")
 
 
-def _writer_error(exc: ValueError, file: Path) -> InputError:
+def _writer_error(exc: ValueError, file: DumpPath) -> InputError:
     return InputError(f"cannot convert ({exc})", file=str(file))
 
 
-def _count_tokens(files: Sequence[Path]) -> int:
+def _count_tokens(files: Sequence[DumpPath]) -> int:
     total = 0
     for path in files:
-        md = pq.ParquetFile(path).metadata
+        md = open_parquet(path).metadata
         for rg in range(md.num_row_groups):
             total += md.row_group(rg).column(0).num_values
     return total

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +30,7 @@ from grpo_cli.io._convert_common import (
 )
 from grpo_cli.io.part_writer import SEQUENCE_INPUTS, TOKEN_INPUTS, PartWriter, _alignments, arrow_columns
 from grpo_cli.io.preset_table import Preset
+from grpo_cli.io.storage import DumpPath, open_text
 
 __all__: list[str] = []  # private to grpo_cli.io.convert
 
@@ -40,7 +40,7 @@ _INT64 = np.iinfo(np.int64)
 
 
 def _convert_jsonl(
-    files: Sequence[Path], out_dir: Path, result: ConvertResult, column_map: Mapping[str, str] | None,
+    files: Sequence[DumpPath], out_dir: DumpPath, result: ConvertResult, column_map: Mapping[str, str] | None,
     preset: Preset | None, metadata: Mapping[str, Any],
 ) -> None:
     alignment, overrides, window, pad = _conventions(preset)
@@ -75,14 +75,14 @@ def _convert_jsonl(
     result.n_tokens = _count_tokens(result.files)
 
 
-def _jsonl_chunks(file: Path, step_keys: Sequence[str]) -> Iterator[tuple[int, list[dict[str, Any]], int]]:
+def _jsonl_chunks(file: DumpPath, step_keys: Sequence[str]) -> Iterator[tuple[int, list[dict[str, Any]], int]]:
     """(step, rows, first line number) chunks of consecutive lines with one step, about 1M tokens each."""
     rows: list[dict[str, Any]] = []
     step: int | None = None
     tokens = 0
     first_line = 1
     try:
-        handle = file.open("r", encoding="utf-8")
+        handle = open_text(file)
     except OSError as exc:
         raise InputError(f"cannot open ({exc.strerror or exc})", file=str(file)) from None
     with handle:
@@ -120,7 +120,7 @@ def _line(number: int) -> str:
 
 
 def _jsonl_inputs(
-    rows: list[dict[str, Any]], keys: Mapping[str, str], file: Path, first_line: int, pad: bool
+    rows: list[dict[str, Any]], keys: Mapping[str, str], file: DumpPath, first_line: int, pad: bool
 ) -> dict[str, Any]:
     """``{schema column: a list of per-sequence values, or a list of per-token numpy arrays}`` for one chunk."""
     out: dict[str, Any] = {}

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +11,7 @@ import torch
 from grpo_cli.errors import InputError
 from grpo_cli.io._convert_common import ConvertResult, _count_tokens, _writer_error
 from grpo_cli.io._convert_torch import _scalar, _tensor, safe_torch_load
+from grpo_cli.io.storage import DumpPath
 from grpo_cli.io.writer import RolloutWriter
 
 __all__: list[str] = []  # private to grpo_cli.io.convert
@@ -43,7 +43,7 @@ def _slime_kind(payload: Any) -> str:
     return "rollout"
 
 
-def _train_samples(payload: dict[str, Any], kind: str, file: Path) -> list[dict[str, Any]]:
+def _train_samples(payload: dict[str, Any], kind: str, file: DumpPath) -> list[dict[str, Any]]:
     if kind == "train":
         samples = payload["samples"]
         if not all(isinstance(s, dict) for s in samples):
@@ -76,8 +76,8 @@ def _version_number(weight_versions: Any) -> int | None:
 class _SlimeJoin:
     """Rollout dumps by rollout id, loaded on demand one at a time (bounded memory)."""
 
-    def __init__(self, files: Sequence[Path]) -> None:
-        self.paths: dict[int, Path] = {}
+    def __init__(self, files: Sequence[DumpPath]) -> None:
+        self.paths: dict[int, DumpPath] = {}
         for path in files:
             payload = safe_torch_load(path)
             if _slime_kind(payload) != "rollout":
@@ -92,7 +92,7 @@ class _SlimeJoin:
             del payload
         self._cached: tuple[int, list[dict[str, Any]]] | None = None
 
-    def samples(self, rollout_id: int) -> tuple[Path, list[dict[str, Any]]] | None:
+    def samples(self, rollout_id: int) -> tuple[DumpPath, list[dict[str, Any]]] | None:
         path = self.paths.get(rollout_id)
         if path is None:
             return None
@@ -102,7 +102,7 @@ class _SlimeJoin:
 
 
 def _convert_slime(
-    train_files: Sequence[Path], rollout_files: Sequence[Path], out_dir: Path, result: ConvertResult,
+    train_files: Sequence[DumpPath], rollout_files: Sequence[DumpPath], out_dir: DumpPath, result: ConvertResult,
     metadata: Mapping[str, Any],
 ) -> None:
     join = _SlimeJoin(rollout_files) if rollout_files else None
@@ -153,10 +153,10 @@ def _convert_slime(
 
 
 def _slime_batch(
-    file: Path,
+    file: DumpPath,
     samples: list[dict[str, Any]],
     raw_reward: Any,
-    joined: tuple[Path, list[dict[str, Any]]] | None,
+    joined: tuple[DumpPath, list[dict[str, Any]]] | None,
 ) -> dict[str, Any]:
     """Per-sample dicts → writer inputs (lists of 1-D tensors and per-sequence lists)."""
     out: dict[str, Any] = {name: [] for name in _SLIME_TOKEN_KEYS}
@@ -235,7 +235,7 @@ def _slime_batch(
     return batch
 
 
-def _all_or_none(values: list[Any], name: str, file: Path, *, strict: bool = True) -> list[Any] | None:
+def _all_or_none(values: list[Any], name: str, file: DumpPath, *, strict: bool = True) -> list[Any] | None:
     """A column is written only if every sample has it (absent stays absent, never zero-filled)."""
     if not values or all(v is None for v in values):
         return None if values else []

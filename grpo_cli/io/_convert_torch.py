@@ -3,6 +3,7 @@ and ``--from torch-dict`` (a ``torch.save``d dict of padded ``[B, T]`` tensors).
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import warnings
@@ -25,6 +26,7 @@ from grpo_cli.io._convert_common import (
 )
 from grpo_cli.io.part_writer import TOKEN_INPUTS
 from grpo_cli.io.preset_table import Preset
+from grpo_cli.io.storage import DumpPath, RemotePath, read_bytes
 from grpo_cli.io.writer import RolloutWriter
 
 __all__ = ["safe_torch_load"]
@@ -48,7 +50,7 @@ def _numpy_allow_list() -> list[Any]:
     return allowed
 
 
-def safe_torch_load(path: str | os.PathLike[str]) -> Any:
+def safe_torch_load(path: str | os.PathLike[str] | RemotePath) -> Any:
     """``torch.load(weights_only=True)`` with numpy arrays allowed; anything else is an :class:`InputError`.
 
     Zip-format files are memory-mapped, so large tensors are paged in only when read.
@@ -56,12 +58,16 @@ def safe_torch_load(path: str | os.PathLike[str]) -> Any:
     Raises:
         InputError: unreadable file, or a pickle that needs a global outside the allow-list (named).
     """
-    path = Path(path)
-    mmap = zipfile.is_zipfile(path)
+    source: Any
+    if isinstance(path, RemotePath):
+        source, mmap = io.BytesIO(read_bytes(path)), False  # an object cannot be memory-mapped: read whole
+    else:
+        path = source = Path(path)
+        mmap = zipfile.is_zipfile(path)
     try:
         with torch.serialization.safe_globals(_numpy_allow_list()), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch warns about pickle protocols it may not support
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, … for bad files
         text = str(exc)
         allowed = "only tensors, numbers, strings, lists, dicts and numpy arrays are loaded (weights_only=True)"
@@ -76,7 +82,7 @@ def safe_torch_load(path: str | os.PathLike[str]) -> Any:
         raise InputError(f"not a loadable torch file ({first[:200]})", file=str(path)) from None
 
 
-def _tensor(value: Any, what: str, file: Path) -> Tensor:
+def _tensor(value: Any, what: str, file: DumpPath) -> Tensor:
     if isinstance(value, Tensor):
         return value
     try:
@@ -107,7 +113,7 @@ def _scalar(value: Any) -> float | int | None:
 
 
 def _convert_torch_dict(
-    files: Sequence[Path], out_dir: Path, result: ConvertResult, column_map: Mapping[str, str] | None,
+    files: Sequence[DumpPath], out_dir: DumpPath, result: ConvertResult, column_map: Mapping[str, str] | None,
     preset: Preset | None, metadata: Mapping[str, Any],
 ) -> None:
     alignment, overrides, window, pad = _conventions(preset)
@@ -165,7 +171,7 @@ def _take(value: Any, pick: Tensor) -> Any:
 
 
 def _dict_rows(
-    payload: Mapping[str, Any], keys: Mapping[str, str], rows: slice, n_rows: int, file: Path, pad: bool
+    payload: Mapping[str, Any], keys: Mapping[str, str], rows: slice, n_rows: int, file: DumpPath, pad: bool
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for canonical, key in keys.items():

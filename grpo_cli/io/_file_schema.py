@@ -6,19 +6,19 @@ Torch-free; :class:`~grpo_cli.io.reader.RolloutDataset` reports the problems as 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from grpo_cli.io.schema import ColumnKind, Layout
+from grpo_cli.io.storage import DumpPath
 
 __all__: list[str] = []  # private to grpo_cli.io.reader
 
 
 @dataclass
 class _FileInfo:
-    path: Path
+    path: DumpPath
     layout: Layout
     actual: dict[str, str]  # canonical → column name in this file
     types: dict[str, pa.DataType]

@@ -7,20 +7,21 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from grpo_cli.errors import InputError, UsageError
 from grpo_cli.io._convert_common import _CHUNK_TOKENS, Check, ConvertResult, _check_out_dir
+from grpo_cli.io.parquet_file import ParquetFileOut
 from grpo_cli.io.part_writer import fast_write_options
 from grpo_cli.io.presets import open_dataset
 from grpo_cli.io.schema import Layout
+from grpo_cli.io.storage import DumpPath, Location, RemotePath, is_uri, open_parquet, to_path
 
 __all__ = ["optimize_dump"]
 
 
 def optimize_dump(
     sources: Sequence[str | os.PathLike[str]],
-    out_dir: str | os.PathLike[str],
+    out_dir: Location,
     *,
     column_map: Mapping[str, str] | None = None,
     preset: str | None = None,
@@ -34,7 +35,7 @@ def optimize_dump(
     file is streamed into ``out_dir`` under its own relative name, all columns kept, row groups merged to about
     ``row_group_tokens`` tokens, each output file written to a temporary name and renamed when complete.
     """
-    out = Path(out_dir)
+    out = to_path(out_dir)
     dataset = open_dataset(sources, column_map, preset)
     names = _relative_names(sources, dataset.files)
     _check_out_dir(out, dataset.files)
@@ -46,17 +47,19 @@ def optimize_dump(
     schema_columns = {dataset.column_map.get(c, c) for c in dataset.columns}
     for path, name in zip(dataset.files, names):
         target = out / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"
-        parquet = pq.ParquetFile(path, memory_map=True)
+        if isinstance(target, Path):
+            target.parent.mkdir(parents=True, exist_ok=True)
+        parquet = open_parquet(path, memory_map=True)
         source_schema = parquet.schema_arrow
         schema = pa.schema(
             [_non_nullable(f) if f.name in schema_columns else f for f in source_schema],
             metadata=source_schema.metadata,
         )
         new_name = dataset.column_map.get("new_logp", "new_logp")
+        # Written to a hidden temporary file (a temporary key in object storage) and moved into place when complete.
+        writer = ParquetFileOut(target, schema=schema, **fast_write_options(schema))
         try:
-            with pq.ParquetWriter(tmp, schema, **fast_write_options(schema)) as writer:
+            with writer:
                 pending: list[pa.RecordBatch] = []
                 pending_tokens = 0
                 for batch in parquet.iter_batches(batch_size=65536, use_threads=True):
@@ -66,21 +69,16 @@ def optimize_dump(
                     pending_tokens += batch.num_rows if token_layout else _list_values(column)
                     if pending_tokens >= row_group_tokens:
                         table = pa.Table.from_batches(pending, schema=schema)
-                        writer.write_table(table, row_group_size=max(table.num_rows, 1))
+                        writer.write(table, row_group_size=max(table.num_rows, 1))
                         result.n_tokens += pending_tokens
                         pending, pending_tokens = [], 0
                 if pending:
                     table = pa.Table.from_batches(pending, schema=schema)
-                    writer.write_table(table, row_group_size=max(table.num_rows, 1))
+                    writer.write(table, row_group_size=max(table.num_rows, 1))
                     result.n_tokens += pending_tokens
-            os.replace(tmp, target)
         except (pa.ArrowException, OSError) as exc:
-            tmp.unlink(missing_ok=True)
             raise InputError(f"cannot rewrite ({str(exc).splitlines()[0] if str(exc) else exc})",
                              file=str(path)) from None
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
         result.files.append(target)
         result.n_sequences += parquet.metadata.num_rows
     if token_layout:
@@ -103,11 +101,17 @@ def _non_nullable(f: pa.Field) -> pa.Field:
     return f.with_nullable(False)
 
 
-def _relative_names(sources: Sequence[str | os.PathLike[str]], files: Sequence[Path]) -> list[Path]:
-    """Each file's name relative to the source directory it was found in (or its own name)."""
-    dirs = [Path(s).resolve() for s in sources if Path(s).is_dir()]
+def _relative_names(sources: Sequence[str | os.PathLike[str]], files: Sequence[DumpPath]) -> list[Path]:
+    """Each file's name relative to the source directory (or object-storage prefix) it was found in (or its own
+    name)."""
+    dirs = [Path(s).resolve() for s in sources if not is_uri(s) and Path(s).is_dir()]
+    prefixes = [str(s).rstrip("/") + "/" for s in sources if is_uri(s)]
     names: list[Path] = []
     for path in files:
+        if isinstance(path, RemotePath):
+            prefix = next((p for p in prefixes if path.uri.startswith(p)), None)
+            names.append(Path(path.uri[len(prefix):]) if prefix is not None else Path(path.name))
+            continue
         resolved = path.resolve()
         base = next((d for d in dirs if d in resolved.parents), None)
         names.append(resolved.relative_to(base) if base is not None else Path(path.name))

@@ -49,6 +49,7 @@ from grpo_cli.io._convert_common import Check, CheckFiles, ConvertResult, _check
 from grpo_cli.io._convert_jsonl import _convert_jsonl
 from grpo_cli.io._optimize import optimize_dump
 from grpo_cli.io.preset_table import PRESETS
+from grpo_cli.io.storage import DumpPath, is_uri, remove, to_path
 
 if TYPE_CHECKING:
     from grpo_cli.io._convert_torch import safe_torch_load
@@ -84,15 +85,15 @@ def _validate_written(result: ConvertResult, check: Check | None, check_files: C
             check(RolloutDataset(result.files), result, "converted data")
     except InputError as exc:
         for path in result.files:
-            path.unlink(missing_ok=True)
+            remove(path)
         raise InputError(f"converted data is invalid, nothing written: {exc}") from None
 
 
 # -- entry point --------------------------------------------------------------------------------------------------
-def _split_dump_details(sources: Sequence[Path]) -> tuple[list[Path], list[Path]] | None:
+def _split_dump_details(sources: Sequence[Path]) -> tuple[list[DumpPath], list[DumpPath]] | None:
     """A slime ``--dump-details`` directory → (train files, rollout files), else None."""
-    train: list[Path] = []
-    rollout: list[Path] = []
+    train: list[DumpPath] = []
+    rollout: list[DumpPath] = []
     for source in sources:
         if source.is_dir() and (source / "train_data").is_dir() and (source / "rollout_data").is_dir():
             train += _expand([source / "train_data"], (".pt",))
@@ -128,7 +129,11 @@ def convert(
     """
     if not sources:
         raise UsageError("give at least one source")
-    out = Path(out_dir)
+    out = to_path(out_dir)
+    remote_sources = [str(s) for s in [*sources, *join] if is_uri(s)]
+    if remote_sources and source_format is not None and source_format.startswith("slime"):
+        raise UsageError(f"{remote_sources[0]}: convert --from {source_format} reads local files (slime's dump "
+                         "directories); copy them to a local directory first")
     if source_format is None and not optimize and all(
         str(source).endswith((".jsonl", ".ndjson")) for source in sources
     ):
@@ -172,13 +177,13 @@ def convert(
 
         _convert_slime(train, rollout, out, result, meta)
     elif source_format == "torch-dict":
-        files = _expand([Path(s) for s in sources], (".pt", ".pth", ".bin"))
+        files = _expand(list(sources), (".pt", ".pth", ".bin"))
         _check_out_dir(out, files)
         from grpo_cli.io._convert_torch import _convert_torch_dict
 
         _convert_torch_dict(files, out, result, column_map, chosen, meta)
     else:
-        files = _expand([Path(s) for s in sources], (".jsonl", ".json"))
+        files = _expand(list(sources), (".jsonl", ".json"))
         _check_out_dir(out, files)
         _convert_jsonl(files, out, result, column_map, chosen, meta)
     if not result.files:

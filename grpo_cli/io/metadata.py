@@ -9,11 +9,13 @@ names accepted for each option are the ones trainers log (``clip_range``/``clip_
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpo_cli.errors import InputError
+
+if TYPE_CHECKING:
+    from grpo_cli.io.storage import Location
 
 __all__ = ["METADATA_OPTIONS", "dump_defaults"]
 
@@ -35,7 +37,7 @@ def _value(meta: Mapping[str, Any], keys: Sequence[str]) -> tuple[str, Any] | No
     return None
 
 
-def dump_defaults(files: Sequence[str | os.PathLike[str]], explicit: Collection[str] = ()) -> dict[str, Any]:
+def dump_defaults(files: Sequence[Location], explicit: Collection[str] = ()) -> dict[str, Any]:
     """``{option: value}`` from the files' ``grpo_cli.*`` metadata (options in :data:`METADATA_OPTIONS`, plus
     ``framework``); ``{}`` when no file records any. Options in ``explicit`` (given on the command line) are not
     read, so files that disagree on them are accepted.

@@ -5,18 +5,25 @@ with one column replaced (:class:`ColumnRewriter`).
 and ``grpo-cli sample`` the sample through :class:`ParquetFileOut`: row groups go to a hidden temporary file beside
 the target, which is renamed into place only when every row group is written (a reader never sees half a file,
 and a failure leaves nothing behind).
+
+In object storage (a :class:`~grpo_cli.io.storage.RemotePath` target) there is no rename and no half-written object
+may become visible: the file is streamed to a hidden temporary key beside the target (``.NAME.PID.tmp``, which no
+prefix or ``*.parquet`` scan picks up) and committed by the filesystem's move (S3: a server-side ``CopyObject``,
+which makes the final key appear complete or not at all, then ``DeleteObject``; HDFS: a rename). A process killed
+while streaming leaves at most an uncompleted multipart upload or a hidden temporary key, never a ``.parquet`` one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from grpo_cli.io.storage import DumpPath, Location, RemotePath, failed, open_parquet, remove, retrying, to_path
 
 __all__ = ["ColumnRewriter", "ParquetFileOut"]
 
@@ -36,19 +43,21 @@ class ParquetFileOut:
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: Location,
         *,
         schema: pa.Schema | None = None,
-        tmp: str | os.PathLike[str] | None = None,
+        tmp: Location | None = None,
         fsync: bool = False,
         **options: Any,
     ) -> None:
-        self.path = Path(path)
-        self.tmp = Path(tmp) if tmp is not None else self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self.path: DumpPath = to_path(path)
+        self.tmp: DumpPath = (to_path(tmp) if tmp is not None
+                              else self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp"))
         self.schema = schema
         self.fsync = fsync
         self.options = options
         self._writer: pq.ParquetWriter | None = None
+        self._sink: pa.NativeFile | None = None  # the upload stream of a remote temporary object
 
     def __enter__(self) -> ParquetFileOut:
         return self
@@ -72,16 +81,27 @@ class ParquetFileOut:
             if self._writer is None:
                 if self.schema is None:
                     self.schema = table.schema
-                self._writer = pq.ParquetWriter(self.tmp, self.schema, **self.options)
+                self._writer = pq.ParquetWriter(self._open_sink(), self.schema, **self.options)
             self._writer.write_table(table, row_group_size=row_group_size)
-        except BaseException:
+        except BaseException as exc:
             self.abort()
+            if isinstance(self.path, RemotePath) and isinstance(exc, (OSError, pa.ArrowException)):
+                raise failed(exc, self.path, "cannot write") from None
             raise
 
-    def commit(self) -> Path | None:
+    def _open_sink(self) -> str | pa.NativeFile:
+        tmp = self.tmp
+        if not isinstance(tmp, RemotePath):
+            return str(tmp)
+        self._sink = retrying(lambda: tmp.fs.open_output_stream(tmp.path), tmp)
+        return self._sink
+
+    def commit(self) -> DumpPath | None:
         """Close the file and rename it into place; returns its path (None when nothing was written)."""
         if self._writer is None:
             return None
+        if isinstance(self.tmp, RemotePath):
+            return self._commit_remote(self.tmp)
         try:
             self._writer.close()
             self._writer = None
@@ -91,11 +111,27 @@ class ParquetFileOut:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-            os.replace(self.tmp, self.path)
+            os.replace(self.tmp, self.path)  # type: ignore[arg-type]  # local: both are Paths (commit's branch)
         except BaseException:
             self.abort()
             raise
         return self.path
+
+    def _commit_remote(self, tmp: RemotePath) -> DumpPath:
+        assert self._writer is not None and self._sink is not None and isinstance(self.path, RemotePath)
+        final = self.path
+        try:
+            self._writer.close()
+            self._writer = None
+            self._sink.close()  # completes the temporary object's upload
+            self._sink = None
+            retrying(lambda: _move(tmp, final), final)
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, (OSError, pa.ArrowException)):
+                raise failed(exc, final, "cannot write") from None
+            raise
+        return final
 
     def abort(self) -> None:
         """Drop the unfinished file (nothing half-written is ever renamed into place)."""
@@ -103,15 +139,31 @@ class ParquetFileOut:
             with contextlib.suppress(Exception):  # the original error matters more
                 self._writer.close()
             self._writer = None
-        self.tmp.unlink(missing_ok=True)
+        if self._sink is not None:
+            # pyarrow completes an upload when its stream closes, also a half-written one: it lands under the hidden
+            # temporary key, removed below.
+            with contextlib.suppress(Exception):
+                self._sink.close()
+            self._sink = None
+        remove(self.tmp)
+
+
+def _move(tmp: RemotePath, final: RemotePath) -> None:
+    try:
+        tmp.fs.move(tmp.path, final.path)
+    except (NotImplementedError, pa.ArrowNotImplementedError):
+        # A store whose filesystem has no move (Azure without a hierarchical namespace): a server-side copy, which
+        # makes the final object appear whole, then the temporary one deleted.
+        tmp.fs.copy_file(tmp.path, final.path)
+        tmp.fs.delete_file(tmp.path)
 
 
 class _RowSource:
     """Rows ``[start, stop)`` of one Parquet file, row groups read lazily and dropped once passed."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: DumpPath) -> None:
         self.path = path
-        self.file = pq.ParquetFile(path, memory_map=True)
+        self.file = open_parquet(path, memory_map=True)
         self.tables: list[tuple[int, pa.Table]] = []  # (first row, row group) still needed
         self.next_group = 0
         self.next_row = 0
@@ -136,7 +188,8 @@ class ColumnRewriter:
     whose schema cannot be cast raises ``ValueError`` naming it. Rows are read lazily, row group by row group.
     """
 
-    def __init__(self, out: Path, files: list[Path], column: str, metadata: dict[bytes, bytes] | None = None) -> None:
+    def __init__(self, out: DumpPath, files: list[DumpPath], column: str,
+                 metadata: dict[bytes, bytes] | None = None) -> None:
         self.files, self.column = files, column
         self.metadata = dict(metadata or {})
         self.out = ParquetFileOut(out)

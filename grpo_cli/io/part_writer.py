@@ -13,17 +13,17 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from grpo_cli import __version__
 from grpo_cli.io.parquet_file import ParquetFileOut
 from grpo_cli.io.schema import COLUMNS, SCHEMA_VERSION, ColumnKind
+from grpo_cli.io.storage import DumpPath, Location, RemotePath, read_schema, remove, to_path
+from grpo_cli.io.storage_listing import require_bucket
 
 __all__ = [
     "ALIGNMENTS",
@@ -77,14 +77,14 @@ def fast_write_options(schema: pa.Schema) -> dict[str, Any]:
     }
 
 
-def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_metadata(path: Location) -> dict[str, Any]:
     """The ``grpo_cli.*`` key-value metadata of a Parquet file, JSON-decoded, without the prefix.
 
     Example:
         >>> read_metadata("dumps/run1/part-step000000-rank000.parquet")["framework"]  # doctest: +SKIP
         'verl'
     """
-    raw = pq.read_schema(path).metadata or {}
+    raw = read_schema(path).metadata or {}
     out: dict[str, Any] = {}
     for key, value in raw.items():
         name = key.decode("utf-8", "replace")
@@ -110,7 +110,7 @@ class PartWriter:
 
     def __init__(
         self,
-        directory: str | os.PathLike[str],
+        directory: Location,
         *,
         rank: int = 0,
         metadata: Mapping[str, Any] | None = None,
@@ -121,7 +121,7 @@ class PartWriter:
             raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
         if isinstance(row_group_tokens, bool) or not isinstance(row_group_tokens, int) or row_group_tokens < 1:
             raise ValueError(f"row_group_tokens must be an integer >= 1, got {row_group_tokens!r}")
-        self.directory = Path(directory)
+        self.directory: DumpPath = to_path(directory)
         self.rank = rank
         self.row_group_tokens = row_group_tokens
         self.fsync = fsync
@@ -135,15 +135,18 @@ class PartWriter:
                 self._user_metadata[key] = json.dumps(value)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"metadata['{key}'] is not JSON-serialisable ({exc})") from None
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.files: list[Path] = []  # finished part files, in order
+        if isinstance(self.directory, RemotePath):
+            require_bucket(self.directory)  # object stores have no directories: a prefix needs only its bucket
+        else:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        self.files: list[DumpPath] = []  # finished part files, in order
         self._schema: pa.Schema | None = None
         self._conventions: tuple[str, str] | None = None  # (source_alignment JSON, window)
         self._step: int | None = None
         self._seen_steps: dict[int, int] = {}
         self._out: ParquetFileOut | None = None
-        self._tmp: Path | None = None
-        self._final: Path | None = None
+        self._tmp: DumpPath | None = None
+        self._final: DumpPath | None = None
         self._buffer: list[pa.RecordBatch] = []
         self._buffered_tokens = 0
         self._closed = False
@@ -297,7 +300,7 @@ class PartWriter:
             self._out.abort()
             self._out = None
         if self._tmp is not None:
-            self._tmp.unlink(missing_ok=True)
+            remove(self._tmp)
         self._buffer.clear()
         self._buffered_tokens = 0
         self._step = None

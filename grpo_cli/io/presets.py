@@ -32,13 +32,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from grpo_cli.errors import InputError
 from grpo_cli.io.preset_table import PRESETS, Preset, _by_name, resolve_column_map
 from grpo_cli.io.preset_table import describe as describe  # re-exported: grpo_cli.io.presets.describe
 from grpo_cli.io.preset_table import format_description as format_description
 from grpo_cli.io.schema import COLUMNS
+from grpo_cli.io.storage import read_schema
 
 if TYPE_CHECKING:
 
@@ -140,7 +140,7 @@ def preset_transforms(preset: Preset | str, dataset: RolloutDataset) -> list[Any
 
 def _per_token_advantages(dataset: RolloutDataset) -> bool:
     name = dataset.column_map.get("advantages", "advantages")
-    schema = pq.read_schema(dataset.files[0])
+    schema = read_schema(dataset.files[0])
     new_name = dataset.column_map.get("new_logp", "new_logp")
     token_layout = not _is_list(schema.field(new_name).type)
     return token_layout or _is_list(schema.field(name).type)
@@ -164,7 +164,7 @@ def open_dataset(
     chosen = _by_name(preset)
     files = expand_paths(paths)
     try:
-        available = pq.read_schema(files[0]).names
+        available = read_schema(files[0]).names
     except (pa.ArrowException, OSError):
         available = []  # the dataset below reports the unreadable file with its usual message
     resolved = resolve_column_map(chosen, available, column_map)
@@ -197,7 +197,7 @@ def _open_noting(paths: Sequence[str | os.PathLike[str]], column_map: Mapping[st
                 raise InputError(f"{exc.reason}; {hint}", file=exc.file, column=exc.column) from None
         raise
     try:
-        available = pq.read_schema(dataset.files[0]).names
+        available = read_schema(dataset.files[0]).names
     except (pa.ArrowException, OSError):
         available = []
     dataset.notes.extend(unread_column_notes(available, dataset.column_map, dataset.columns, preset))
@@ -206,8 +206,8 @@ def _open_noting(paths: Sequence[str | os.PathLike[str]], column_map: Mapping[st
 
 def _file_columns(path: str) -> list[str]:
     try:
-        return list(pq.read_schema(path).names)
-    except (pa.ArrowException, OSError):
+        return list(read_schema(path).names)
+    except (pa.ArrowException, OSError, InputError):
         return []
 
 

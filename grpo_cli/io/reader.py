@@ -10,7 +10,6 @@ Tensors that alias Arrow buffers are never modified in place.
 from __future__ import annotations
 
 import glob
-import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +45,16 @@ from grpo_cli.io._file_schema import (
     _type_problem,
 )
 from grpo_cli.io.schema import COLUMNS, REQUIRED_COLUMNS, Layout
+from grpo_cli.io.storage import (
+    DumpPath,
+    Location,
+    RemotePath,
+    describe,
+    is_uri,
+    open_parquet,
+    read_table,
+)
+from grpo_cli.io.storage_listing import expand_remote
 
 __all__ = ["DEFAULT_BATCH_TOKENS", "RolloutDataset", "Shard", "expand_paths"]
 
@@ -55,11 +64,18 @@ READ_BUFFER_BYTES = 1 << 20
 """Bytes read from a file at a time while decoding (pages are streamed, never the whole column chunk)."""
 
 
-def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
-    """Files, directories (recursive ``*.parquet``) and quoted globs → a sorted, de-duplicated file list."""
+def expand_paths(paths: Iterable[Location]) -> list[DumpPath]:
+    """Files, directories (recursive ``*.parquet``) and quoted globs → a sorted, de-duplicated file list.
+
+    Object-storage URIs (``s3://bucket/prefix/``, ``'gs://bucket/run/*.parquet'``, …) expand the same way into
+    :class:`~grpo_cli.io.storage.RemotePath` objects (docs/storage.md)."""
     files: set[Path] = set()
+    remote: dict[str, RemotePath] = {}
     for raw in paths:
         text = str(raw)
+        if isinstance(raw, RemotePath) or is_uri(text):
+            remote.update((str(p), p) for p in expand_remote(text))
+            continue
         if any(ch in text for ch in "*?["):
             matches = [Path(m) for m in glob.glob(text, recursive=True)]
             if not matches:
@@ -78,7 +94,7 @@ def expand_paths(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
                 files.update(found)
             else:
                 files.add(path)
-    return sorted(files, key=lambda p: str(p))
+    return sorted([*files, *remote.values()], key=lambda p: str(p))
 
 
 @dataclass(frozen=True)
@@ -111,14 +127,21 @@ class RolloutDataset:
 
     def __init__(
         self,
-        paths: Sequence[str | os.PathLike[str]],
+        paths: Sequence[Location],
         column_map: dict[str, str] | None = None,
         transforms: Sequence[Callable[[TokenBatch], TokenBatch]] = (),
     ) -> None:
         self.column_map = dict(column_map or {})
         self.transforms = list(transforms)
         self.files = expand_paths(paths)
-        self._infos = [self._inspect(path) for path in self.files]
+        if any(isinstance(path, RemotePath) for path in self.files):
+            # Each footer is a round trip to the store: read them concurrently (in file order all the same).
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(16, len(self.files))) as pool:
+                self._infos = list(pool.map(self._inspect, self.files))
+        else:
+            self._infos = [self._inspect(path) for path in self.files]
         first = self._infos[0]
         for info in self._infos[1:]:
             if info.layout is not first.layout or set(info.actual) != set(first.actual):
@@ -138,11 +161,11 @@ class RolloutDataset:
         read, …): the library returns them, the CLI prints them to stderr."""
 
     # -- inspection ---------------------------------------------------------------------------------------------
-    def _inspect(self, path: Path) -> _FileInfo:
-        if path.is_dir():
+    def _inspect(self, path: DumpPath) -> _FileInfo:
+        if isinstance(path, Path) and path.is_dir():
             raise InputError("is a directory", file=str(path))
         try:
-            parquet = pq.ParquetFile(path, memory_map=True)
+            parquet = open_parquet(path, memory_map=True)
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
             raise InputError(f"not a readable Parquet file ({_first_line(exc)})", file=str(path)) from None
         schema = parquet.schema_arrow
@@ -208,7 +231,7 @@ class RolloutDataset:
             actual = self.column_map.get(name, name)
             found: set[object] = set()
             for info in self._infos:
-                column = pq.read_table(info.path, columns=[actual]).column(actual)
+                column = read_table(info.path, [actual]).column(actual)
                 if column.null_count:
                     chunk_rows = 0
                     for chunk in column.chunks:
@@ -303,7 +326,8 @@ class RolloutDataset:
             # and pre-buffered column chunks stay resident, so memory would grow with the row group (the whole file
             # for pyarrow's default writer settings) instead of staying bounded by --batch-tokens. Decoding is the
             # same speed (docs/performance.md).
-            return pq.ParquetFile(
+            # A remote object is read through a bigger buffer (storage.REMOTE_READ_BUFFER_BYTES): a round trip each.
+            return open_parquet(
                 info.path,
                 memory_map=False,
                 pre_buffer=False,
@@ -332,7 +356,7 @@ class RolloutDataset:
                 yield batch
                 row += record_batch.num_rows
         except (pa.ArrowException, OSError) as exc:
-            raise InputError(f"cannot decode ({_first_line(exc)})", file=str(info.path), row=row) from None
+            raise _decode_error(info, exc, row) from None
 
     def _iter_token_rows(
         self, info: _FileInfo, shard: Shard, wanted: set[str], batch_tokens: int, key: _GroupKey | None = None
@@ -367,7 +391,13 @@ class RolloutDataset:
                 boundaries = _run_boundaries(carry["seq_id"])
                 yield _token_batch(info, shard.file_index, carry, boundaries, row, wanted, seen_ids)
         except (pa.ArrowException, OSError) as exc:
-            raise InputError(f"cannot decode ({_first_line(exc)})", file=str(info.path), row=row) from None
+            raise _decode_error(info, exc, row) from None
+
+
+def _decode_error(info: _FileInfo, exc: BaseException, row: int) -> InputError:
+    if isinstance(info.path, RemotePath) and not isinstance(exc, pa.ArrowInvalid):
+        return InputError(f"cannot read ({describe(exc, info.path)})", file=str(info.path), row=row)
+    return InputError(f"cannot decode ({_first_line(exc)})", file=str(info.path), row=row)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -45,7 +45,6 @@ Example:
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -70,6 +69,7 @@ from grpo_cli.io.part_writer import (
     read_metadata,
 )
 from grpo_cli.io.schema import COLUMNS
+from grpo_cli.io.storage import Location
 
 __all__ = [
     "ALIGNMENTS",
@@ -89,7 +89,9 @@ class RolloutWriter(PartWriter):
     """Writes schema-v1 rank-local part files from a trainer (see the module docstring).
 
     Args:
-        directory: output directory (created if missing); several ranks may share it.
+        directory: output directory (created if missing); several ranks may share it. Also an object-storage
+            prefix (``"s3://bucket/run1"``, ``gs://``, ``hdfs://``, ``abfs://``; its bucket must exist): each part is
+            streamed to a hidden temporary key and moved to its final name only when complete (docs/storage.md).
         rank: this process's rank (part of the file name and of the metadata).
         metadata: JSON-serialisable facts about the run, stored as ``grpo_cli.<key>`` Parquet metadata. Use
             ``framework``, ``framework_version``, ``temperature``, ``top_p``, ``top_k``, ``logprobs_mode`` (e.g.
@@ -102,11 +104,13 @@ class RolloutWriter(PartWriter):
 
     Raises:
         ValueError: a bad rank, metadata that is not JSON-serialisable, or a reserved metadata key.
+        InputError: an object-storage prefix whose bucket is missing, whose credentials are refused or whose
+            endpoint cannot be reached.
     """
 
     def __init__(
         self,
-        directory: str | os.PathLike[str],
+        directory: Location,
         *,
         rank: int = 0,
         metadata: Mapping[str, Any] | None = None,
