@@ -5,6 +5,7 @@ read by the tasks themselves. Skipped without the ``ray`` extra (installed by ``
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from reference import random_sequences, write_sequences
@@ -31,6 +32,8 @@ def ray_cluster(request):
         env = request.getfixturevalue("s3_server").env
     except pytest.skip.Exception:
         env = {}
+    # No usage report to Ray's servers: a test talks to this machine only.
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
              runtime_env={"env_vars": env}, _node_ip_address="127.0.0.1")
     try:
