@@ -42,6 +42,7 @@ from grpo_cli.findings.thresholds import (
     SYNC_LAG0_SPREAD,
     SYNC_LAG_DRIFT,
     SYNC_MIN_RISE,
+    SYNC_MIN_SEQ_RISE,
     SYNC_RANK_CORR,
     SYNC_RATIO_ERROR,
     SYNC_RATIO_WARNING,
@@ -103,7 +104,9 @@ def _weight_sync(c: _Ctx) -> list[Finding]:
         if t is None:
             continue
         rho, start, end = t
-        if rho < SYNC_RANK_CORR or end - start < SYNC_MIN_RISE:
+        # The worst sequence of a step is a maximum, noisier than a mean: its rise must clear more.
+        min_rise = SYNC_MIN_RISE if key == "lag0_abs_diff_mean" else SYNC_MIN_SEQ_RISE
+        if rho < SYNC_RANK_CORR or end - start < min_rise:
             continue
         if key == "lag_excess" and end - start < _median_drift(f):
             continue  # within what one version of the policy's own change explains

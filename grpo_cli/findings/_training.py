@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from grpo_cli._intervals import t975
 from grpo_cli.findings._base import (
     Detector,
     Estimate,
@@ -15,8 +16,10 @@ from grpo_cli.findings._base import (
     _grade,
     _graded_fraction,
     _halves,
+    _judge,
     _num,
     _series,
+    _settle,
 )
 from grpo_cli.findings.catalog import RULES
 from grpo_cli.findings.thresholds import (
@@ -86,6 +89,29 @@ def _no_signal(c: _Ctx) -> list[Finding]:
                     {"groups/zero_std_frac": est.ev(ZERO_STD_WARNING)}, {}, RULES["GRP304"].fix, notes)]
 
 
+def _entropy_ratio(series: list[tuple[int, float, float]]) -> Estimate:
+    """The lower of the last quarter's mean entropy and the last step's, over the first quarter's mean, with a
+    delete-one-step jackknife interval over the steps that enter it (a fall in the final steps counts before it
+    fills a quarter of the run; with 8 steps, one noisy step should not make a collapse)."""
+    k = max(1, len(series) // 4)
+
+    def stat(kept: list[tuple[int, float, float]]) -> float:
+        head, tail = kept[:k], kept[-k:]
+        first = sum(v * w for _, v, w in head) / sum(w for _, _, w in head)
+        last = sum(v * w for _, v, w in tail) / sum(w for _, _, w in tail)
+        return min(last, kept[-1][1]) / first if first > 0 else math.nan
+
+    value = stat(series)
+    used = [i for i in range(len(series)) if i < k or i >= len(series) - k]
+    loo = [stat(series[:i] + series[i + 1:]) for i in used if len(series) > 2 * k]
+    loo = [v for v in loo if math.isfinite(v)]
+    if len(loo) < 2:
+        return Estimate(value, -math.inf, math.inf)
+    mean = sum(loo) / len(loo)
+    half = t975(len(loo) - 1) * math.sqrt((len(loo) - 1) / len(loo) * sum((v - mean) ** 2 for v in loo))
+    return Estimate(value, value - half, value + half)
+
+
 def _entropy(c: _Ctx) -> list[Finding]:
     f = c.fig
     series = _series(f, c.steps, "entropy_mean", "entropy/mean")
@@ -95,12 +121,12 @@ def _entropy(c: _Ctx) -> list[Finding]:
     h = _halves(series, 0.25)
     if h is None or h[0] <= 0:
         return []
-    last = min(h[1], series[-1][1])  # a fall in the final steps counts before it fills a quarter of the run
-    ratio = last / h[0]
-    sev = _grade(ratio, ENTROPY_RATIO_WARNING, ENTROPY_RATIO_ERROR, below=True)
+    est = _entropy_ratio(series)
+    last, ratio = est.value * h[0], est.value
+    sev = _judge(est, ENTROPY_RATIO_WARNING, ENTROPY_RATIO_ERROR, below=True)
     if sev is None:
         return []
-    notes: list[str] = []
+    notes = [_settle(est, ENTROPY_RATIO_WARNING, len(series), "steps")] if sev == "inconclusive" else []
     rewards = _halves(_series(f, c.steps, "reward_mean", "reward/mean"), 0.25)
     if rewards is not None and rewards[1] - rewards[0] >= REWARD_RISE:
         # A policy converging on its task loses entropy as its reward rises; collapse is the concern when the
@@ -109,7 +135,7 @@ def _entropy(c: _Ctx) -> list[Finding]:
                                "the policy may be converging")
     title = RULES["GRP401"].title.format(first=h[0], last=last, ratio=ratio)
     fix = RULES["GRP401"].fix
-    evidence = {f"diag/by_step[{key}] last/first quarter": _ev(ratio, ENTROPY_RATIO_WARNING)}
+    evidence = {f"diag/by_step[{key}] last/first quarter": est.ev(ENTROPY_RATIO_WARNING)}
     if rewards is not None:
         evidence["diag/by_step[reward_mean] last − first quarter"] = _ev(rewards[1] - rewards[0], REWARD_RISE)
     return [Finding("GRP401", "entropy-collapse", sev, title, evidence,

@@ -55,6 +55,10 @@ stays flat (fitted last/first below this)."""
 SYNC_MIN_RISE = 0.01
 """GRP201: and the rise must be at least this many nats (slime's healthy level is ~0.011; a public SGLang run
 drifting 0.011 → 0.036 over 30 steps is the pattern)."""
+SYNC_MIN_SEQ_RISE = 0.05
+"""GRP201: the rise the per-sequence series (the worst lag-0 sequence of a step, its excess over its lag) must
+clear: a maximum over sequences of a healthy bf16 engine wanders by up to ~0.02 nats over 8 steps on the corpus,
+while one engine a version stale puts its sequences 0.1–0.4 nats off."""
 SYNC_LAG_DRIFT = 0.5
 """GRP201: the recorded mean lag must not rise by more than this over the steps (fitted line), else the rise may
 be staleness."""

@@ -24,6 +24,7 @@ RULES = (
             "SYNC_RATIO_WARNING",
             "SYNC_RATIO_ERROR",
             "SYNC_MIN_RISE",
+            "SYNC_MIN_SEQ_RISE",
             "SYNC_RANK_CORR",
             "SYNC_LAG_DRIFT",
             "SYNC_LAG0_SPREAD",

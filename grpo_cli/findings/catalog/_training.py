@@ -162,9 +162,11 @@ RULES = (
         thresholds=("ENTROPY_RATIO_WARNING", "ENTROPY_RATIO_ERROR", "REWARD_RISE"),
         severity=(
             "`error` when the entropy at the end of the run (the lower of the last quarter's mean and the last "
-            "step's) is ≤ {ENTROPY_RATIO_ERROR} of the first quarter's mean, `warning` at ≤ {ENTROPY_RATIO_WARNING} "
-            "(at least 4 steps); capped at `info` when the mean reward rises by at least {REWARD_RISE} between the "
-            "same quarters: a policy converging on its task loses entropy as its reward rises."
+            "step's) over the first quarter's mean has a 95 % interval (delete-one-step jackknife over the steps "
+            "that enter it) at or below {ENTROPY_RATIO_ERROR}, `warning` below {ENTROPY_RATIO_WARNING}, "
+            "`inconclusive` when only the estimate is (at least 4 steps); capped at `info` when the mean reward "
+            "rises by at least {REWARD_RISE} between the same quarters: a policy converging on its task loses "
+            "entropy as its reward rises."
         ),
         meaning=(
             "The policy becomes near-deterministic over the run."
