@@ -546,5 +546,6 @@ def test_check_stays_strict_on_a_truncated_file_unless_skip_is_asked(capsys, tmp
     dump, _ = _truncated_dump(tmp_path)
     code, _, err = run(capsys, "check", dump)
     assert code == 2 and "b.parquet" in one_error_line(err)
-    code, _, err = run(capsys, "check", dump, "--on-invalid", "skip")
+    # the random dump's findings (mismatch, flipped advantages) are beside the point here
+    code, _, err = run(capsys, "check", dump, "--on-invalid", "skip", "--ignore", "GRP")
     assert code == 0 and "skipped 1 of 2 files as not readable Parquet" in err

@@ -94,6 +94,8 @@ def slime() -> Iterator[dict[str, Any]]:
     with framework_modules("slime", VENDOR, COMMIT, ["ray", "megatron.core"],
                            forced_stubs=(*FORCED_STUBS, "ray", "megatron", "sglang")) as (ray, megatron_core):
         sys.meta_path.append(missing)
+        # ray may be the real package (imported by another test before this one): put its functions back after.
+        saved = {name: getattr(ray, name, None) for name in ("remote", "put", "get")}
         try:
             # ray: @ray.remote leaves the class as written; the object store hands objects through unchanged.
             ray.remote = lambda cls: cls
@@ -117,6 +119,8 @@ def slime() -> Iterator[dict[str, Any]]:
             yield {"types": types, "rollout": rollout, "data": data, "loss": loss, "dump": dump}
         finally:
             sys.meta_path.remove(missing)
+            for name, value in saved.items():
+                setattr(ray, name, value)
 
 
 _RANK = {"dp": 0}
