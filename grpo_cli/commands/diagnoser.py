@@ -1,0 +1,304 @@
+"""Findings while training: :class:`Diagnoser` runs ``analyze``'s detectors inside a training loop.
+
+It is ``analyze`` fed from tensors instead of a dump: each :meth:`Diagnoser.update` builds the
+:class:`~grpo_cli.core.batch.TokenBatch` the reader would have built from the same rows (the packing of
+:meth:`grpo_cli.io.RolloutWriter.add`), validates it (:class:`~grpo_cli.engine.validate.BatchValidator`) and folds it
+into the same metric groups' mergeable states (the figures the detectors read and the findings-only ``diag/*``
+groups); :meth:`Diagnoser.step_end` merges the step into the run's states (all-reduced first under
+``torch.distributed``, as :class:`~grpo_cli.core.metric.GRPOMetric` does), computes the figures as ``analyze``
+does (:func:`grpo_cli.engine.run.compute_figures`) and applies :func:`grpo_cli.findings.detect`. A dump replayed
+step by step therefore ends with the findings ``analyze`` gives for the whole dump.
+
+A step plays the part of one part file of a dump (``RolloutWriter`` writes one per step): a finding's ``where``
+names sequences as ``{"file": n, "row": r}`` with ``n`` the step's ordinal (0 for the first ``step_end``) and ``r``
+the sequence's position among the step's ``update`` calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grpo_cli.core.batch import TokenBatch
+from grpo_cli.core.keyed_state import all_reduce_states
+from grpo_cli.core.state import MetricState
+from grpo_cli.engine.group import MetricGroup
+from grpo_cli.engine.run import compute_figures
+from grpo_cli.engine.validate import BatchValidator, ValidationGroup
+from grpo_cli.findings import CODES, SEVERITIES, DetectConfig, Finding, detect, detector_inputs
+from grpo_cli.io._writer_inputs import _Layout
+from grpo_cli.metrics import AnalyzeConfig, default_groups, select_groups
+from grpo_cli.metrics.diagnosis import diagnosis_groups
+
+__all__ = ["CONCLUSIVE", "Diagnoser", "diagnoser_groups"]
+
+CONCLUSIVE = ("warning", "error")
+"""The severities at which a finding is conclusive: :meth:`Diagnoser.step_end` reports a finding when it first
+reaches one of them (and again when a warning becomes an error)."""
+
+_NOT_ONLINE = {"group_by", "max_groups", "batch_tokens", "device"}
+"""``AnalyzeConfig`` fields that describe how a dump is streamed, not a figure: the batches are the caller's and
+the states live on the device of the tensors."""
+
+_PER_TOKEN = ("old_logp", "prox_logp", "ref_logp", "entropy", "versions")
+_PER_SEQUENCE = ("rewards", "group_id", "current_version", "eos", "seq_id", "step")
+
+
+def diagnoser_groups() -> list[MetricGroup]:
+    """The metric groups whose states the detectors read: the figures of :func:`~grpo_cli.findings.detector_inputs`
+    for every code (``analyze --select`` semantics, validation and counts included) and the findings-only groups they
+    name. A run over these gives every code the findings a run over every group gives."""
+    keys, names = detector_inputs(CODES)
+    return [*select_groups(default_groups(), keys), *(g for g in diagnosis_groups() if g.name in names)]
+
+
+class Diagnoser:
+    """``analyze``'s findings, computed while training: fed per (micro-)batch, judged at every step's end.
+
+    Args:
+        process_group: ``torch.distributed`` group whose ranks' states are all-reduced at each :meth:`step_end`
+            (default: the world when ``torch.distributed`` is initialised; every rank must call ``step_end``).
+        **options: ``analyze``'s options by their names (:class:`~grpo_cli.metrics.AnalyzeConfig` fields such as
+            ``epsilon``, ``epsilon_high``, ``current_version``, ``on_invalid``; and
+            :class:`~grpo_cli.findings.DetectConfig`'s ``max_staleness`` and ``prox_approximation``).
+
+    Raises:
+        TypeError: an option ``analyze`` does not take, or one that describes streaming a dump (``group_by``,
+            ``batch_tokens``, ``max_groups``, ``device``).
+        grpo_cli.errors.UsageError: an option value ``analyze`` refuses.
+
+    Example:
+        >>> import torch
+        >>> from grpo_cli import Diagnoser
+        >>> diagnoser = Diagnoser(epsilon=0.2, max_staleness=4)
+        >>> new = -torch.rand(8, 6)
+        >>> diagnoser.update(new_logp=new, old_logp=new.clone(), loss_mask=torch.ones(8, 6),
+        ...                  advantages=torch.randn(8), group_id=torch.arange(8) // 4)
+        >>> diagnoser.step_end(1)
+        []
+        >>> [f["code"] for f in diagnoser.findings() if f["severity"] in ("warning", "error")]
+        []
+    """
+
+    def __init__(self, *, process_group: Any = None, **options: Any) -> None:
+        detect_names = {f.name for f in fields(DetectConfig)}
+        analyze_names = {f.name for f in fields(AnalyzeConfig)} - _NOT_ONLINE
+        unknown = sorted(set(options) - detect_names - analyze_names)
+        if unknown:
+            raise TypeError(f"Diagnoser: unknown option(s) {', '.join(unknown)} (analyze options: "
+                            f"{', '.join(sorted(detect_names | analyze_names))})")
+        self.config = AnalyzeConfig(**{k: v for k, v in options.items() if k in analyze_names})
+        self.config.validate()
+        self.detect_config = DetectConfig(**{k: v for k, v in options.items() if k in detect_names})
+        self.process_group = process_group
+        self.groups = diagnoser_groups()
+        self._validator = BatchValidator(self.config.on_invalid, current_version=self.config.current_version)
+        self._run: list[MetricState] | None = None  # every rank's, merged over the ended steps
+        self._step: list[MetricState] | None = None  # this rank's, since the last step_end
+        self._columns: set[str] = set()
+        self._ordinal = 0  # the step's ordinal: its "file" in a dump
+        self._row = 0  # sequences of this step so far: their "rows"
+        self._next_step = 0
+        self._latest: list[Finding] = []
+        self._first: dict[str, int] = {}  # code -> the step it first became conclusive at
+        self._reported: dict[str, str] = {}  # code -> the severity it was last reported at
+
+    # -- feeding -------------------------------------------------------------------------------------------------
+    def update(
+        self,
+        *,
+        new_logp: Tensor,
+        loss_mask: Tensor | None = None,
+        old_logp: Tensor | None = None,
+        prox_logp: Tensor | None = None,
+        ref_logp: Tensor | None = None,
+        entropy: Tensor | None = None,
+        versions: Tensor | None = None,
+        advantages: Tensor | None = None,
+        rewards: Tensor | None = None,
+        group_id: Tensor | None = None,
+        current_version: Tensor | int | None = None,
+        eos: Tensor | None = None,
+        seq_id: Tensor | None = None,
+        step: Tensor | int | None = None,
+        cu_seqlens: Tensor | None = None,
+        lengths: Tensor | None = None,
+    ) -> None:
+        """Fold one (micro-)batch of whole sequences into this step's states (nothing is kept but the states).
+
+        Per-token columns are right-padded ``[B, T]`` (a row ends at ``lengths``, else at its last ``loss_mask``
+        position, as :meth:`~grpo_cli.io.RolloutWriter.add` reads them) or packed ``[N]`` with ``cu_seqlens``; all in
+        the same form, value ``t`` belonging to token ``t``. Per-sequence columns are ``[B]`` (or a scalar for
+        ``current_version`` and ``step``). Tensors stay on their device; the call syncs with the host where the
+        statistics need it (validation, compaction to the loss-mask tokens).
+
+        Args:
+            new_logp: the trainer's log-probs of the tokens (required).
+            loss_mask: 1 where a token enters the loss (default: every token).
+            old_logp, prox_logp, ref_logp, entropy: behaviour, proximal and reference log-probs; entropy (nats).
+            versions: the policy version that generated each token (−1 for prompt tokens).
+            advantages: ``[B]`` per sequence, or per token like ``new_logp``.
+            rewards, group_id, eos, seq_id: ``[B]`` per sequence (``eos``: 1 ended with EOS, 0 cut off).
+            current_version: the trainer's version, ``[B]`` or one int.
+            step: ``[B]`` or one int (default: the step after the last :meth:`step_end`'s, 0 at first).
+            cu_seqlens: ``[B + 1]`` offsets for packed columns.
+            lengths: ``[B]`` true lengths of padded rows.
+
+        Raises:
+            ValueError: shapes that disagree.
+            grpo_cli.errors.InputError: a value ``analyze`` refuses (NaN or positive log-probs, a mask not 0/1,
+                versions ahead of ``current_version``, …) under ``on_invalid="error"``.
+        """
+        batch = self._batch(locals())
+        if batch.n_sequences == 0:
+            return
+        if self._step is None:
+            self._step = [group.init_state(self.config, batch.device) for group in self.groups]
+        skip = next((s for g, s in zip(self.groups, self._step) if isinstance(g, ValidationGroup)), None)
+        batch = self._validator(batch, skip)
+        valid = batch.valid()
+        for group, state in zip(self.groups, self._step):
+            group.update(state, batch, valid, self.config)
+        self._columns |= batch.columns() | ({"loss_mask"} if loss_mask is not None else set())
+
+    def _batch(self, given: Mapping[str, Any]) -> TokenBatch:
+        """The :class:`TokenBatch` the reader would build from these rows (floats as read, ints as int64)."""
+        new_logp = given["new_logp"]
+        if not isinstance(new_logp, Tensor):
+            raise TypeError("new_logp must be a tensor ([B, T] padded or [N] packed with cu_seqlens)")
+        device = new_logp.device
+        layout = _Layout(new_logp, cu_seqlens=given["cu_seqlens"], lengths=given["lengths"], attention_mask=None,
+                         loss_mask=given["loss_mask"], mask_next_token=False)
+        cu_seqlens = layout.cu_seqlens.to(device)
+        n_seq, n_tok = layout.n_sequences, layout.n_tokens
+        columns: dict[str, Any] = {"new_logp": _float(layout.pack(new_logp.detach(), "new_logp"))}
+        mask = given["loss_mask"]
+        columns["loss_mask"] = (torch.ones(n_tok, dtype=torch.bool, device=device) if mask is None
+                                else layout.pack(mask.detach(), "loss_mask").to(device))
+        for name in _PER_TOKEN:
+            value = given[name]
+            if value is not None:
+                packed = layout.pack(value.detach(), name).to(device)
+                columns[name] = packed.to(torch.int64) if name == "versions" else _float(packed)
+        advantages = given["advantages"]
+        if advantages is not None:
+            if layout.is_per_sequence(advantages):
+                per_seq = layout.per_sequence(advantages.detach(), "advantages").to(device)
+                advantages = torch.repeat_interleave(per_seq, cu_seqlens[1:] - cu_seqlens[:-1], output_size=n_tok)
+            else:
+                advantages = layout.pack(advantages.detach(), "advantages").to(device)
+            columns["advantages"] = _float(advantages)
+        step = self._next_step if given["step"] is None else given["step"]
+        for name in _PER_SEQUENCE:
+            value = step if name == "step" else given[name]
+            if value is not None:
+                per_seq = layout.per_sequence(torch.as_tensor(value).detach(), name).to(device)
+                columns[name] = _float(per_seq) if name == "rewards" else per_seq.to(torch.int64)
+        rows = torch.arange(self._row, self._row + n_seq, dtype=torch.int64, device=device)
+        self._row += n_seq
+        return TokenBatch(cu_seqlens=cu_seqlens, file_index=self._ordinal, rows=rows, **columns)
+
+    # -- judging -------------------------------------------------------------------------------------------------
+    def step_end(self, step: int) -> list[dict[str, Any]]:
+        """Merge this step into the run and apply the detectors to the whole run so far.
+
+        Every rank of the process group must call it (the states are all-reduced); every rank gets the same result.
+
+        Args:
+            step: the training step that just ended (the ``step`` of its findings).
+
+        Returns:
+            The findings that became conclusive at this step (reached ``warning`` or ``error`` for the first time,
+            or went from ``warning`` to ``error``), most severe first: :meth:`findings`'s dicts.
+        """
+        states = self._step
+        self._step = None
+        self._ordinal += 1
+        self._row = 0
+        self._next_step = int(step) + 1
+        group = self._group()
+        if group is not None:
+            states, columns = self._all_reduce(states, group)
+        else:
+            columns = self._columns
+        if states is not None:
+            if self._run is None:
+                self._run = states
+            else:
+                for mine, theirs in zip(self._run, states):
+                    mine.merge_(theirs)
+        if self._run is None:
+            return []
+        metrics, _, evidence = compute_figures(frozenset(columns), self.config, self.groups, self._run)
+        if not metrics.get("n_valid_tokens"):
+            return []
+        self._latest = detect({**metrics, **evidence}, None, self.detect_config)
+        risen = []
+        order = {s: i for i, s in enumerate(SEVERITIES)}
+        for finding in self._latest:
+            if finding.severity not in CONCLUSIVE:
+                continue
+            before = self._reported.get(finding.code)
+            if before is None or order[finding.severity] > order[before]:
+                self._reported[finding.code] = finding.severity
+                self._first.setdefault(finding.code, int(step))
+                risen.append(self._as_dict(finding))
+        return risen
+
+    def findings(self) -> list[dict[str, Any]]:
+        """The run's findings as of the last :meth:`step_end` (every severity, most severe first): ``analyze``'s
+        finding dicts (``code``, ``category``, ``severity``, ``title``, ``evidence``, ``where``, ``fix``,
+        ``notes``) with ``step``, the step at which the finding first became conclusive (``None`` if it never
+        did)."""
+        return [self._as_dict(f) for f in self._latest]
+
+    def counts(self) -> dict[str, int]:
+        """Scalars for a trainer's logs: ``findings/error`` and ``findings/warning`` (conclusive findings now), one
+        ``findings/<category>`` count per category with a conclusive finding, and ``findings/<code>`` with the
+        code's severity as a number (2 warning, 3 error), so a dashboard shows which codes fire and when."""
+        loud = [f for f in self._latest if f.severity in CONCLUSIVE]
+        out = {f"findings/{severity}": sum(f.severity == severity for f in loud) for severity in ("error", "warning")}
+        for f in loud:
+            out[f"findings/{f.category}"] = out.get(f"findings/{f.category}", 0) + 1
+        out.update({f"findings/{f.code}": SEVERITIES.index(f.severity) for f in loud})
+        return out
+
+    def _as_dict(self, finding: Finding) -> dict[str, Any]:
+        return {**finding.to_dict(), "step": self._first.get(finding.code)}
+
+    def _group(self) -> Any:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def _all_reduce(self, states: list[MetricState] | None, group: Any) -> tuple[list[MetricState] | None, set[str]]:
+        """Every rank's step states merged (a rank without a batch contributes empty states) and the columns any
+        rank saw (:func:`~grpo_cli.core.keyed_state.all_reduce_states`, the reduction ``GRPOMetric`` uses)."""
+        import torch.distributed as dist
+
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        device = None if states is None else states[0].device
+        dist.all_gather_object(everyone, (sorted(self._columns), None if device is None else str(device)), group=group)
+        columns = {c for cols, _ in everyone for c in cols}
+        devices = [d for _, d in everyone if d is not None]
+        if not devices:
+            return None, columns
+        if states is None:
+            states = [g.init_state(self.config, torch.device(devices[0])) for g in self.groups]
+        all_reduce_states(states, group)
+        return states, columns
+
+
+def _float(values: Tensor) -> Tensor:
+    """Floats as the reader returns them: float32 and float64 kept, other floats (bf16, fp16) as float32, integers
+    as float64."""
+    if values.dtype in (torch.float32, torch.float64):
+        return values
+    return values.to(torch.float32 if values.is_floating_point() else torch.float64)
+
