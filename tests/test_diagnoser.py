@@ -1,0 +1,158 @@
+"""The online :class:`~grpo_cli.Diagnoser` against ``analyze`` on the physically real corpus
+(:mod:`grpo_cli.commands.corpus`): each dump replayed step by step, one ``update`` per reader batch and a
+``step_end`` per part file (one per step), ends with the codes and severities ``analyze`` gives for the whole dump;
+each fault is named at the first step, and a healthy control ends quiet."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from grpo_cli import Diagnoser
+from grpo_cli.commands.analyze import analyze
+from grpo_cli.commands.corpus import RunSpec, generate_run
+from grpo_cli.commands.corpus_catalog import CONTROLS, FAULTS, Case
+from grpo_cli.commands.diagnoser import diagnoser_groups
+from grpo_cli.core.packing import packed_to_padded
+from grpo_cli.findings import DetectConfig
+from grpo_cli.io import RolloutDataset
+from grpo_cli.metrics import AnalyzeConfig
+
+SEED = 7
+SIZE = {"steps": 4, "prompts_per_step": 8}
+"""Small dumps: 4 steps of 64 sequences (every realistic fault below is still conclusive at this size)."""
+COLUMNS = ("new_logp", "old_logp", "prox_logp", "ref_logp", "entropy", "versions", "advantages", "rewards",
+           "group_id", "current_version", "eos", "seq_id", "step")
+DETECT_OPTIONS = ("max_staleness", "prox_approximation")
+
+_CASES = {c.name: c for cases in FAULTS.values() for c in cases} | CONTROLS
+REPLAYED = [_CASES[name] for name in ("temperature@0.7", "shift@1", "prompt_in_loss@1", "adv_sign@1",
+                                      "duplicates@1", "top_k@2", "async", "async_lag6")]
+_DUMPS: dict[str, list[Path]] = {}
+
+
+def dump(case: Case, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The case's part files (one per step), generated once per session."""
+    if case.name not in _DUMPS:
+        path = tmp_path_factory.mktemp(case.name.replace("@", "-"))
+        _DUMPS[case.name] = generate_run(RunSpec(seed=SEED, **{**SIZE, **case.spec}), path).files
+    return _DUMPS[case.name]
+
+
+def offline(files: list[Path], options: dict[str, Any]) -> list[dict[str, Any]]:
+    """``analyze`` with findings over the whole dump."""
+    config = AnalyzeConfig(**{k: v for k, v in options.items() if k not in DETECT_OPTIONS})
+    detect = DetectConfig(**{k: v for k, v in options.items() if k in DETECT_OPTIONS})
+    return analyze(RolloutDataset(files), config, findings=detect).findings
+
+
+def replay(files: list[Path], options: dict[str, Any], *, padded: bool = False,
+           on_step: Callable[[Diagnoser], None] | None = None) -> tuple[Diagnoser, list[list[dict[str, Any]]]]:
+    """Each part file is a step: its reader batches go to ``update`` (packed, or padded with ``lengths``), then
+    ``step_end``; returns the diagnoser and what each ``step_end`` returned."""
+    diagnoser = Diagnoser(**options)
+    wanted = {"loss_mask"}.union(*(g.columns() for g in diagnoser_groups()))
+    per_step = []
+    for path in files:
+        step = None
+        for batch in RolloutDataset([path]).iter_batches(columns=wanted, raw_mask=True, batch_tokens=2000):
+            given = {name: getattr(batch, name) for name in COLUMNS if getattr(batch, name) is not None}
+            if padded:
+                lengths = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
+                for name in ("new_logp", "old_logp", "prox_logp", "ref_logp", "entropy", "versions"):
+                    given[name] = packed_to_padded(given[name], batch.cu_seqlens, pad_value=0.0)
+                # per-sequence advantages ([B]), as a trainer holds them; the dump broadcast them to tokens
+                given["advantages"] = given["advantages"][batch.cu_seqlens[:-1]]
+                diagnoser.update(loss_mask=packed_to_padded(batch.loss_mask, batch.cu_seqlens), lengths=lengths,
+                                 **given)
+            else:
+                diagnoser.update(loss_mask=batch.loss_mask, cu_seqlens=batch.cu_seqlens, **given)
+            step = int(batch.step[0])
+        assert step is not None
+        per_step.append(diagnoser.step_end(step))
+        if on_step is not None:
+            on_step(diagnoser)
+    return diagnoser, per_step
+
+
+def graded(findings: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return sorted((f["code"], f["severity"]) for f in findings)
+
+
+@pytest.mark.parametrize("case", REPLAYED, ids=lambda c: c.name)
+def test_replay_ends_with_analyze_findings(case: Case, tmp_path_factory: pytest.TempPathFactory) -> None:
+    files = dump(case, tmp_path_factory)
+    diagnoser, per_step = replay(files, case.options)
+    assert graded(diagnoser.findings()) == graded(offline(files, case.options))
+    loud = [f for f in diagnoser.findings() if f["severity"] in ("warning", "error")]
+    if case.category is None:
+        assert loud == []
+        return
+    named = [f for f in loud if f["category"] == case.category]
+    assert named, f"{case.name}: {graded(diagnoser.findings())}"
+    # the corpus's faults are present from the first step: named by the first step_end, and returned there
+    assert named[0]["step"] == 0
+    assert named[0]["code"] in [f["code"] for f in per_step[0]]
+
+
+def test_padded_rows_give_the_packed_findings(tmp_path_factory: pytest.TempPathFactory) -> None:
+    files = dump(_CASES["temperature@0.7"], tmp_path_factory)
+    packed, _ = replay(files, {})
+    padded, _ = replay(files, {}, padded=True)
+    assert [(f["code"], f["severity"], f["evidence"]) for f in padded.findings()] == \
+        [(f["code"], f["severity"], f["evidence"]) for f in packed.findings()]
+    (temperature,) = [f for f in padded.findings() if f["code"] == "GRP102"]
+    assert abs(temperature["evidence"]["diag/temperature_ratio"]["value"] - 0.7) < 0.1  # the engine's 0.7
+
+
+def test_a_finding_is_returned_once_and_counted_for_the_logs(tmp_path_factory: pytest.TempPathFactory) -> None:
+    files = dump(_CASES["temperature@0.7"], tmp_path_factory)
+    diagnoser, per_step = replay(files, {})
+    returned = [f["code"] for step in per_step for f in step]
+    assert returned.count("GRP102") == 1 and [f["code"] for f in per_step[0]] == ["GRP102"]
+    counts = diagnoser.counts()
+    assert counts["findings/GRP102"] == 3  # its severity: error
+    assert counts["findings/temperature"] == 1
+    assert counts["findings/error"] == sum(f["severity"] == "error" for f in diagnoser.findings())
+
+
+def test_states_are_bounded_between_steps(tmp_path_factory: pytest.TempPathFactory) -> None:
+    files = dump(_CASES["async"], tmp_path_factory)
+    sizes: list[int] = []
+
+    def entries(diagnoser: Diagnoser) -> None:
+        assert diagnoser._step is None  # nothing of a step is kept past its step_end but the merged states
+        sizes.append(sum(v.numel() for s in diagnoser._run or [] for v in s.values.values()))
+
+    replay(files, {}, on_step=entries)
+    per_step = SIZE["prompts_per_step"] * 8  # sequences per step (group size 8)
+    growth = [b - a for a, b in itertools.pairwise(sizes)]
+    # no token buffer: what a step adds is keyed rows (one per step, per GRPO group and per sequence key), the
+    # same amount every step, a few entries per sequence whatever its length
+    assert max(growth) <= 8 * per_step
+    assert max(growth) - min(growth) <= 64
+
+
+def test_options_are_analyze_options() -> None:
+    assert Diagnoser(epsilon=0.1, epsilon_high=0.3, max_staleness=6).detect_config.max_staleness == 6
+    with pytest.raises(TypeError, match="unknown option"):
+        Diagnoser(epsilonn=0.2)
+    with pytest.raises(TypeError, match="unknown option"):
+        Diagnoser(group_by="step")
+
+
+def test_validation_is_analyze_validation() -> None:
+    from grpo_cli.errors import InputError
+
+    diagnoser = Diagnoser()
+    with pytest.raises(InputError):
+        diagnoser.update(new_logp=torch.tensor([[-1.0, 0.5]]), loss_mask=torch.ones(1, 2))
+    skipping = Diagnoser(on_invalid="skip")
+    skipping.update(new_logp=torch.tensor([[-1.0, 0.5], [-1.0, -2.0]]), loss_mask=torch.ones(2, 2))
+    skipping.update(new_logp=torch.tensor([[-1.0, -0.5]]), loss_mask=torch.ones(1, 2))
+    assert skipping.step_end(0) == [] and skipping.findings() == []
