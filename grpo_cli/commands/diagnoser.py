@@ -62,6 +62,9 @@ class Diagnoser:
     Args:
         process_group: ``torch.distributed`` group whose ranks' states are all-reduced at each :meth:`step_end`
             (default: the world when ``torch.distributed`` is initialised; every rank must call ``step_end``).
+        each_step: also judge each step on its own data at its :meth:`step_end` (default ``True``): a fault that
+            starts mid-run is diluted in the run's pooled statistics by the healthy steps before it, but is as clear
+            within its first step as it would be in a dump of that step alone.
         **options: ``analyze``'s options by their names (:class:`~grpo_cli.metrics.AnalyzeConfig` fields such as
             ``epsilon``, ``epsilon_high``, ``current_version``, ``on_invalid``; and
             :class:`~grpo_cli.findings.DetectConfig`'s ``max_staleness`` and ``prox_approximation``).
@@ -84,7 +87,7 @@ class Diagnoser:
         []
     """
 
-    def __init__(self, *, process_group: Any = None, **options: Any) -> None:
+    def __init__(self, *, process_group: Any = None, each_step: bool = True, **options: Any) -> None:
         detect_names = {f.name for f in fields(DetectConfig)}
         analyze_names = {f.name for f in fields(AnalyzeConfig)} - _NOT_ONLINE
         unknown = sorted(set(options) - detect_names - analyze_names)
@@ -95,6 +98,7 @@ class Diagnoser:
         self.config.validate()
         self.detect_config = DetectConfig(**{k: v for k, v in options.items() if k in detect_names})
         self.process_group = process_group
+        self.each_step = each_step
         self.groups = diagnoser_groups()
         self._validator = BatchValidator(self.config.on_invalid, current_version=self.config.current_version)
         self._run: list[MetricState] | None = None  # every rank's, merged over the ended steps
@@ -103,7 +107,8 @@ class Diagnoser:
         self._ordinal = 0  # the step's ordinal: its "file" in a dump
         self._row = 0  # sequences of this step so far: their "rows"
         self._next_step = 0
-        self._latest: list[Finding] = []
+        self._latest: list[Finding] = []  # the run's, as analyze gives them
+        self._now: list[Finding] = []  # conclusive at the last step_end, judged on the run or on the step alone
         self._first: dict[str, int] = {}  # code -> the step it first became conclusive at
         self._reported: dict[str, str] = {}  # code -> the severity it was last reported at
 
@@ -204,7 +209,8 @@ class Diagnoser:
 
     # -- judging -------------------------------------------------------------------------------------------------
     def step_end(self, step: int) -> list[dict[str, Any]]:
-        """Merge this step into the run and apply the detectors to the whole run so far.
+        """Merge this step into the run and apply the detectors to the whole run so far (and, with ``each_step``, to
+        this step alone: the same detectors on the step's states, as ``analyze`` would judge a dump of that step).
 
         Every rank of the process group must call it (the states are all-reduced); every rank gets the same result.
 
@@ -212,8 +218,9 @@ class Diagnoser:
             step: the training step that just ended (the ``step`` of its findings).
 
         Returns:
-            The findings that became conclusive at this step (reached ``warning`` or ``error`` for the first time,
-            or went from ``warning`` to ``error``), most severe first: :meth:`findings`'s dicts.
+            The findings that became conclusive at this step in either judgement (reached ``warning`` or
+            ``error`` for the first time, or went from ``warning`` to ``error``), most severe first:
+            :meth:`findings`'s dicts.
         """
         states = self._step
         self._step = None
@@ -225,7 +232,10 @@ class Diagnoser:
             states, columns = self._all_reduce(states, group)
         else:
             columns = self._columns
+        alone: list[Finding] = []
         if states is not None:
+            if self.each_step:
+                alone = self._detect(columns, states)
             if self._run is None:
                 self._run = states
             else:
@@ -233,15 +243,17 @@ class Diagnoser:
                     mine.merge_(theirs)
         if self._run is None:
             return []
-        metrics, _, evidence = compute_figures(frozenset(columns), self.config, self.groups, self._run)
-        if not metrics.get("n_valid_tokens"):
-            return []
-        self._latest = detect({**metrics, **evidence}, None, self.detect_config)
-        risen = []
+        self._latest = self._detect(columns, self._run)
         order = {s: i for i, s in enumerate(SEVERITIES)}
-        for finding in self._latest:
-            if finding.severity not in CONCLUSIVE:
-                continue
+        now: dict[str, Finding] = {}  # per code, the more severe of the two judgements
+        for finding in (*self._latest, *alone):
+            if finding.severity in CONCLUSIVE and (
+                finding.code not in now or order[finding.severity] > order[now[finding.code].severity]
+            ):
+                now[finding.code] = finding
+        self._now = sorted(now.values(), key=lambda f: (-order[f.severity], f.code))
+        risen = []
+        for finding in self._now:
             before = self._reported.get(finding.code)
             if before is None or order[finding.severity] > order[before]:
                 self._reported[finding.code] = finding.severity
@@ -249,18 +261,26 @@ class Diagnoser:
                 risen.append(self._as_dict(finding))
         return risen
 
+    def _detect(self, columns: set[str], states: list[MetricState]) -> list[Finding]:
+        """``analyze``'s findings for data with ``columns`` whose merged states are ``states``."""
+        metrics, _, evidence = compute_figures(frozenset(columns), self.config, self.groups, states)
+        if not metrics.get("n_valid_tokens"):
+            return []
+        return detect({**metrics, **evidence}, None, self.detect_config)
+
     def findings(self) -> list[dict[str, Any]]:
-        """The run's findings as of the last :meth:`step_end` (every severity, most severe first): ``analyze``'s
-        finding dicts (``code``, ``category``, ``severity``, ``title``, ``evidence``, ``where``, ``fix``,
-        ``notes``) with ``step``, the step at which the finding first became conclusive (``None`` if it never
-        did)."""
+        """The run's findings as of the last :meth:`step_end` (every severity, most severe first), judged on the
+        whole run so far: what ``analyze`` gives for a dump of those steps. ``analyze``'s finding dicts (``code``,
+        ``category``, ``severity``, ``title``, ``evidence``, ``where``, ``fix``, ``notes``) with ``step``, the step
+        at which the code first became conclusive in either judgement (``None`` if it never did)."""
         return [self._as_dict(f) for f in self._latest]
 
     def counts(self) -> dict[str, int]:
-        """Scalars for a trainer's logs: ``findings/error`` and ``findings/warning`` (conclusive findings now), one
+        """Scalars for a trainer's logs: ``findings/error`` and ``findings/warning`` (findings conclusive at the last
+        :meth:`step_end`, judged on the run or on that step alone), one
         ``findings/<category>`` count per category with a conclusive finding, and ``findings/<code>`` with the
         code's severity as a number (2 warning, 3 error), so a dashboard shows which codes fire and when."""
-        loud = [f for f in self._latest if f.severity in CONCLUSIVE]
+        loud = self._now
         out = {f"findings/{severity}": sum(f.severity == severity for f in loud) for severity in ("error", "warning")}
         for f in loud:
             out[f"findings/{f.category}"] = out.get(f"findings/{f.category}", 0) + 1

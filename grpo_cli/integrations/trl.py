@@ -360,8 +360,9 @@ def format_finding(finding: Mapping[str, Any]) -> str:
              f"{finding.get('step')}: {finding['title']}"]
     for key, ev in (finding.get("evidence") or {}).items():
         value, low, high = (ev.get(k) for k in ("value", "low", "high"))
-        interval = "" if low is None or low == high else f"95 % {low:.4g} to {high:.4g}; "
-        lines.append(f"  {key} = {value:.4g} ({interval}threshold {ev.get('threshold')})")
+        parts = [] if low is None or low == high else [f"95 % {low:.4g} to {high:.4g}"]
+        parts += [] if ev.get("threshold") is None else [f"threshold {ev['threshold']}"]
+        lines.append(f"  {key} = {value:.4g}" + (f" ({'; '.join(parts)})" if parts else ""))
     where = {k: v for k, v in (finding.get("where") or {}).items() if v}
     if where:
         lines.append(f"  where: {', '.join(f'{k} {str(v)[:120]}' for k, v in where.items())}")
