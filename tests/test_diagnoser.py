@@ -124,18 +124,40 @@ def test_a_finding_is_returned_once_and_counted_for_the_logs(tmp_path_factory: p
 def test_states_are_bounded_between_steps(tmp_path_factory: pytest.TempPathFactory) -> None:
     files = dump(_CASES["async"], tmp_path_factory)
     sizes: list[int] = []
+    hashes: list[int] = []
 
     def entries(diagnoser: Diagnoser) -> None:
         assert diagnoser._step is None  # nothing of a step is kept past its step_end but the merged states
-        sizes.append(sum(v.numel() for s in diagnoser._run or [] for v in s.values.values()))
+        per_group = {g.name: sum(v.numel() for v in s.values.values())
+                     for g, s in zip(diagnoser.groups, diagnoser._run or [])}
+        hashes.append(per_group.pop("diag/duplicates"))
+        sizes.append(sum(per_group.values()))
 
-    replay(files, {}, on_step=entries)
+    # window=1: the duplicate hashes of earlier steps leave memory (the default keeps 16 steps of them)
+    short, _ = replay(files, {"window": 1}, on_step=entries)
     per_step = SIZE["prompts_per_step"] * 8  # sequences per step (group size 8)
     growth = [b - a for a, b in itertools.pairwise(sizes)]
-    # no token buffer: what a step adds is keyed rows (one per step, per GRPO group and per sequence key), the
-    # same amount every step, a few entries per sequence whatever its length
-    assert max(growth) <= 8 * per_step
-    assert max(growth) - min(growth) <= 64
+    # no token buffer: what a step adds is one row per step and per GRPO group (8 groups: 112 entries, the per-step
+    # and per-(step, lag) rows: about 50), the same every step
+    assert max(growth) <= 3 * per_step
+    assert max(growth) - min(growth) <= 16
+    # the duplicate hashes: one step's keys, at most 4 entries for each of the step's sequences in each table
+    assert max(hashes) <= 2 * 4 * per_step + 4
+    (theirs,) = [s for g, s in zip(short.groups, short._run or []) if g.name == "diag/duplicates"]
+    assert int(theirs["ids_retired"]) == 3 * per_step
+    assert theirs["ids"].shape[0] == per_step  # the last step's (step, seq_id) keys only
+    diagnoser, _ = replay(files, {})
+    (mine,) = [s for g, s in zip(diagnoser.groups, diagnoser._run or []) if g.name == "diag/duplicates"]
+    assert int(mine["ids_retired"]) == 0 and mine["ids"].shape[0] == 4 * per_step
+    # the same findings and evidence; where names the repeats of the kept steps only
+    assert [{**f, "where": None} for f in short.findings()] == [{**f, "where": None} for f in diagnoser.findings()]
+
+
+def test_a_duplicate_within_the_window_is_found(tmp_path_factory: pytest.TempPathFactory) -> None:
+    files = dump(_CASES["duplicates@1"], tmp_path_factory)
+    diagnoser, per_step = replay(files, {"window": 1})
+    assert [f["code"] for f in per_step[0]] == ["GRP107"]
+    assert graded(diagnoser.findings()) == graded(offline(files, {}))
 
 
 def test_options_are_analyze_options() -> None:

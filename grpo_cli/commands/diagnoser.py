@@ -34,11 +34,15 @@ from grpo_cli.io._writer_inputs import _Layout
 from grpo_cli.metrics import AnalyzeConfig, default_groups, select_groups
 from grpo_cli.metrics.diagnosis import diagnosis_groups
 
-__all__ = ["CONCLUSIVE", "Diagnoser", "diagnoser_groups"]
+__all__ = ["CONCLUSIVE", "WINDOW", "Diagnoser", "diagnoser_groups"]
 
 CONCLUSIVE = ("warning", "error")
 """The severities at which a finding is conclusive: :meth:`Diagnoser.step_end` reports a finding when it first
 reaches one of them (and again when a warning becomes an error)."""
+
+WINDOW = 16
+"""Default :class:`Diagnoser` ``window``: steps whose per-sequence rows (duplicate hashes) stay in memory. A rank
+that writes its shard twice does so within a step."""
 
 _NOT_ONLINE = {"group_by", "max_groups", "batch_tokens", "device"}
 """``AnalyzeConfig`` fields that describe how a dump is streamed, not a figure: the batches are the caller's and
@@ -65,6 +69,9 @@ class Diagnoser:
         each_step: also judge each step on its own data at its :meth:`step_end` (default ``True``): a fault that
             starts mid-run is diluted in the run's pooled statistics by the healthy steps before it, but is as clear
             within its first step as it would be in a dump of that step alone.
+        window: steps whose per-sequence rows are kept (:meth:`MetricGroup.retire
+            <grpo_cli.engine.group.MetricGroup.retire>`): a sequence written twice is found when its copies are
+            fewer than ``window`` steps apart. Older rows seen once leave memory and stay counted.
         **options: ``analyze``'s options by their names (:class:`~grpo_cli.metrics.AnalyzeConfig` fields such as
             ``epsilon``, ``epsilon_high``, ``current_version``, ``on_invalid``; and
             :class:`~grpo_cli.findings.DetectConfig`'s ``max_staleness`` and ``prox_approximation``).
@@ -87,7 +94,9 @@ class Diagnoser:
         []
     """
 
-    def __init__(self, *, process_group: Any = None, each_step: bool = True, **options: Any) -> None:
+    def __init__(
+        self, *, process_group: Any = None, each_step: bool = True, window: int = WINDOW, **options: Any
+    ) -> None:
         detect_names = {f.name for f in fields(DetectConfig)}
         analyze_names = {f.name for f in fields(AnalyzeConfig)} - _NOT_ONLINE
         unknown = sorted(set(options) - detect_names - analyze_names)
@@ -99,6 +108,9 @@ class Diagnoser:
         self.detect_config = DetectConfig(**{k: v for k, v in options.items() if k in detect_names})
         self.process_group = process_group
         self.each_step = each_step
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
         self.groups = diagnoser_groups()
         self._validator = BatchValidator(self.config.on_invalid, current_version=self.config.current_version)
         self._run: list[MetricState] | None = None  # every rank's, merged over the ended steps
@@ -243,6 +255,8 @@ class Diagnoser:
                     mine.merge_(theirs)
         if self._run is None:
             return []
+        for g, state in zip(self.groups, self._run):
+            g.retire(state, self._ordinal - self.window)  # self._ordinal: the next step's
         self._latest = self._detect(columns, self._run)
         order = {s: i for i, s in enumerate(SEVERITIES)}
         now: dict[str, Finding] = {}  # per code, the more severe of the two judgements
