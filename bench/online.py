@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             tokens_per_step.append(n_tokens)
         sizes.append(_state_bytes(diagnoser))
     growth = [b - a for a, b in itertools.pairwise(sizes)]
+    timed_bytes = _state_bytes(diagnoser)
     # the diagnoser alone, for the memory over a long run: the same batches without the model
     for step in range(args.warmup + args.steps, args.warmup + args.steps + args.memory_steps):
         for mb in range(args.micro_batches):
@@ -141,7 +142,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "update_us_per_token": 1e6 * median(update_s) / tokens,
         "state_bytes_first_steps": sizes[:3], "state_growth_bytes_per_step": median(growth),
         "state_growth_bytes_per_sequence": median(growth) / sequences,
-        "state_bytes_after_steps": {total_steps: _state_bytes(diagnoser)},
+        "state_bytes_after_steps": {args.warmup + args.steps: timed_bytes, total_steps: _state_bytes(diagnoser)},
+        # past the window, only the per-step and per-GRPO-group rows still grow
+        "state_growth_bytes_per_step_late": (_state_bytes(diagnoser) - timed_bytes) / max(args.memory_steps, 1),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 

@@ -178,3 +178,33 @@ def test_validation_is_analyze_validation() -> None:
     skipping.update(new_logp=torch.tensor([[-1.0, 0.5], [-1.0, -2.0]]), loss_mask=torch.ones(2, 2))
     skipping.update(new_logp=torch.tensor([[-1.0, -0.5]]), loss_mask=torch.ones(1, 2))
     assert skipping.step_end(0) == [] and skipping.findings() == []
+
+
+def test_next_token_inputs_are_read_as_the_writer_reads_them(tmp_path_factory: pytest.TempPathFactory,
+                                                             tmp_path: Path) -> None:
+    from grpo_cli.io import RolloutWriter
+
+    files = dump(_CASES["shift@1"], tmp_path_factory)
+    diagnoser = Diagnoser()
+    wanted = {"loss_mask"}.union(*(g.columns() for g in diagnoser_groups()))
+    with RolloutWriter(tmp_path, fsync=False) as writer:
+        for path in files:
+            step = None
+            for batch in RolloutDataset([path]).iter_batches(columns=wanted, batch_tokens=2000):
+                given = {name: getattr(batch, name) for name in COLUMNS if getattr(batch, name) is not None}
+                step = int(batch.step[0])
+                del given["step"]
+                for name in ("new_logp", "old_logp", "prox_logp", "ref_logp", "entropy", "advantages"):
+                    # AReaL's convention: value t belongs to token t + 1 (torch.roll(x, -1) per sequence)
+                    given[name] = torch.cat([torch.roll(given[name][a:b], -1) for a, b in
+                                             itertools.pairwise(batch.cu_seqlens.tolist())])
+                mask = torch.cat([torch.roll(batch.loss_mask[a:b], -1)
+                                  for a, b in itertools.pairwise(batch.cu_seqlens.tolist())])
+                common = {"cu_seqlens": batch.cu_seqlens, "loss_mask": mask, "alignment": "next_token",
+                          "column_alignment": {"versions": "token"}}
+                diagnoser.update(step=step, **given, **common)
+                writer.add(step=step, **given, **common)
+            diagnoser.step_end(step)  # type: ignore[arg-type]  # every file has rows
+    written = offline(sorted(tmp_path.glob("*.parquet")), {})
+    assert graded(diagnoser.findings()) == graded(written)
+    assert ("GRP101", "error") in graded(written)  # the shift is still there after the round trip

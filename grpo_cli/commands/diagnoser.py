@@ -30,7 +30,7 @@ from grpo_cli.engine.group import MetricGroup
 from grpo_cli.engine.run import compute_figures
 from grpo_cli.engine.validate import BatchValidator, ValidationGroup
 from grpo_cli.findings import CODES, SEVERITIES, DetectConfig, Finding, detect, detector_inputs
-from grpo_cli.io._writer_inputs import _Layout
+from grpo_cli.io._writer_inputs import pack_inputs
 from grpo_cli.metrics import AnalyzeConfig, default_groups, select_groups
 from grpo_cli.metrics.diagnosis import diagnosis_groups
 
@@ -144,14 +144,20 @@ class Diagnoser:
         step: Tensor | int | None = None,
         cu_seqlens: Tensor | None = None,
         lengths: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        alignment: str = "token",
+        column_alignment: Mapping[str, str] | None = None,
     ) -> None:
         """Fold one (micro-)batch of whole sequences into this step's states (nothing is kept but the states).
 
-        Per-token columns are right-padded ``[B, T]`` (a row ends at ``lengths``, else at its last ``loss_mask``
-        position, as :meth:`~grpo_cli.io.RolloutWriter.add` reads them) or packed ``[N]`` with ``cu_seqlens``; all in
-        the same form, value ``t`` belonging to token ``t``. Per-sequence columns are ``[B]`` (or a scalar for
-        ``current_version`` and ``step``). Tensors stay on their device; the call syncs with the host where the
-        statistics need it (validation, compaction to the loss-mask tokens).
+        The inputs are read as :meth:`RolloutWriter.add <grpo_cli.io.RolloutWriter.add>` reads them (the same
+        code): per-token columns right-padded ``[B, T]`` (a row ends at ``lengths``, at the last non-zero of
+        ``attention_mask``, else at its last ``loss_mask`` position) or packed ``[N]`` with ``cu_seqlens``, all in
+        the same form; value ``t`` belongs to token ``t`` unless ``alignment="next_token"``. Per-sequence columns
+        are ``[B]`` (or a scalar for ``current_version`` and ``step``). Feed each sequence once per step (the first
+        of several PPO epochs over it), as ``RolloutWriter(dedupe=True)`` writes it. Tensors stay on their device;
+        the call syncs with the host where the statistics need it (the row lengths, validation, compaction to the
+        loss-mask tokens).
 
         Args:
             new_logp: the trainer's log-probs of the tokens (required).
@@ -164,6 +170,10 @@ class Diagnoser:
             step: ``[B]`` or one int (default: the step after the last :meth:`step_end`'s, 0 at first).
             cu_seqlens: ``[B + 1]`` offsets for packed columns.
             lengths: ``[B]`` true lengths of padded rows.
+            attention_mask: ``[B, T]``, non-zero where a padded row has a token (any padding side).
+            alignment: ``"token"`` or ``"next_token"`` (value ``t`` belongs to token ``t + 1``: AReaL's loss inputs,
+                OpenRLHF, twinkle), un-rolled as the writer does.
+            column_alignment: per-column exceptions, e.g. ``{"versions": "token"}`` for AReaL.
 
         Raises:
             ValueError: shapes that disagree.
@@ -183,38 +193,36 @@ class Diagnoser:
         self._columns |= batch.columns() | ({"loss_mask"} if loss_mask is not None else set())
 
     def _batch(self, given: Mapping[str, Any]) -> TokenBatch:
-        """The :class:`TokenBatch` the reader would build from these rows (floats as read, ints as int64)."""
+        """The :class:`TokenBatch` the reader would build from the rows ``RolloutWriter.add`` would write from these
+        inputs (:func:`~grpo_cli.io._writer_inputs.pack_inputs`, the writer's own reading; floats as read, integers
+        as int64, per-sequence advantages on every token)."""
         new_logp = given["new_logp"]
         if not isinstance(new_logp, Tensor):
             raise TypeError("new_logp must be a tensor ([B, T] padded or [N] packed with cu_seqlens)")
         device = new_logp.device
-        layout = _Layout(new_logp, cu_seqlens=given["cu_seqlens"], lengths=given["lengths"], attention_mask=None,
-                         loss_mask=given["loss_mask"], mask_next_token=False)
+        inputs = {name: given[name] for name in ("new_logp", "loss_mask", *_PER_TOKEN, "advantages", *_PER_SEQUENCE)}
+        inputs["step"] = None
+        inputs = {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in inputs.items() if v is not None}
+        packed = pack_inputs(inputs, cu_seqlens=given["cu_seqlens"], lengths=given["lengths"],
+                             attention_mask=given["attention_mask"], alignment=given["alignment"],
+                             column_alignment=given["column_alignment"], window="full")
+        layout = packed.layout
         cu_seqlens = layout.cu_seqlens.to(device)
         n_seq, n_tok = layout.n_sequences, layout.n_tokens
-        columns: dict[str, Any] = {"new_logp": _float(layout.pack(new_logp.detach(), "new_logp"))}
-        mask = given["loss_mask"]
-        columns["loss_mask"] = (torch.ones(n_tok, dtype=torch.bool, device=device) if mask is None
-                                else layout.pack(mask.detach(), "loss_mask").to(device))
-        for name in _PER_TOKEN:
-            value = given[name]
-            if value is not None:
-                packed = layout.pack(value.detach(), name).to(device)
-                columns[name] = packed.to(torch.int64) if name == "versions" else _float(packed)
-        advantages = given["advantages"]
-        if advantages is not None:
-            if layout.is_per_sequence(advantages):
-                per_seq = layout.per_sequence(advantages.detach(), "advantages").to(device)
-                advantages = torch.repeat_interleave(per_seq, cu_seqlens[1:] - cu_seqlens[:-1], output_size=n_tok)
-            else:
-                advantages = layout.pack(advantages.detach(), "advantages").to(device)
-            columns["advantages"] = _float(advantages)
+        columns: dict[str, Any] = {}
+        for name, value in packed.token.items():
+            value = value.to(device)
+            columns[name] = value if name == "loss_mask" else (
+                value.to(torch.int64) if name == "versions" else _float(value))
+        if "loss_mask" not in columns:
+            columns["loss_mask"] = torch.ones(n_tok, dtype=torch.bool, device=device)
         step = self._next_step if given["step"] is None else given["step"]
-        for name in _PER_SEQUENCE:
-            value = step if name == "step" else given[name]
-            if value is not None:
-                per_seq = layout.per_sequence(torch.as_tensor(value).detach(), name).to(device)
-                columns[name] = _float(per_seq) if name == "rewards" else per_seq.to(torch.int64)
+        sequence = {**packed.sequence, "step": layout.per_sequence(torch.as_tensor(step), "step")}
+        for name, value in sequence.items():
+            value = value.to(device)
+            if name == "advantages":  # per sequence: every token of the row, as the reader broadcasts it
+                value = torch.repeat_interleave(_float(value), cu_seqlens[1:] - cu_seqlens[:-1], output_size=n_tok)
+            columns[name] = _float(value) if name in ("rewards", "advantages") else value.to(torch.int64)
         rows = torch.arange(self._row, self._row + n_seq, dtype=torch.int64, device=device)
         self._row += n_seq
         return TokenBatch(cu_seqlens=cu_seqlens, file_index=self._ordinal, rows=rows, **columns)
