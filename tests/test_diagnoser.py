@@ -208,3 +208,28 @@ def test_next_token_inputs_are_read_as_the_writer_reads_them(tmp_path_factory: p
     written = offline(sorted(tmp_path.glob("*.parquet")), {})
     assert graded(diagnoser.findings()) == graded(written)
     assert ("GRP101", "error") in graded(written)  # the shift is still there after the round trip
+
+
+def test_the_recipes_helper_ends_a_step_when_the_next_begins(tmp_path_factory: pytest.TempPathFactory,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "recipes" / "README.md"
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S) if "def diagnose" in b]
+    namespace: dict[str, Any] = {}
+    exec(compile(block, str(page), "exec"), namespace)
+    files = dump(_CASES["temperature@0.7"], tmp_path_factory)
+    for path in files[:2]:
+        for batch in RolloutDataset([path]).iter_batches(batch_tokens=2000):
+            given = {name: getattr(batch, name) for name in COLUMNS if getattr(batch, name) is not None}
+            step = int(given.pop("step")[0])
+            # lists of 1-D tensors, one per sequence (slime's form)
+            cuts = batch.cu_seqlens.tolist()
+            for name in ("new_logp", "old_logp", "prox_logp", "ref_logp", "entropy", "versions"):
+                given[name] = [given[name][a:b] for a, b in itertools.pairwise(cuts)]
+            given["advantages"] = given["advantages"][batch.cu_seqlens[:-1]]
+            namespace["diagnose"](step, loss_mask=[batch.loss_mask[a:b] for a, b in itertools.pairwise(cuts)],
+                                  **given)
+    # the first step ended when the second began: the engine's temperature was named there
+    assert "grpo-cli GRP102 error at step 0:" in capsys.readouterr().out
+    assert namespace["_open_step"] == 1 and namespace["diagnoser"].findings()[0]["step"] == 0

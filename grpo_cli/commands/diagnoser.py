@@ -16,7 +16,7 @@ the sequence's position among the step's ``update`` calls.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -128,8 +128,8 @@ class Diagnoser:
     def update(
         self,
         *,
-        new_logp: Tensor,
-        loss_mask: Tensor | None = None,
+        new_logp: Tensor | Sequence[Tensor],
+        loss_mask: Tensor | Sequence[Tensor] | None = None,
         old_logp: Tensor | None = None,
         prox_logp: Tensor | None = None,
         ref_logp: Tensor | None = None,
@@ -152,12 +152,12 @@ class Diagnoser:
 
         The inputs are read as :meth:`RolloutWriter.add <grpo_cli.io.RolloutWriter.add>` reads them (the same
         code): per-token columns right-padded ``[B, T]`` (a row ends at ``lengths``, at the last non-zero of
-        ``attention_mask``, else at its last ``loss_mask`` position) or packed ``[N]`` with ``cu_seqlens``, all in
-        the same form; value ``t`` belongs to token ``t`` unless ``alignment="next_token"``. Per-sequence columns
-        are ``[B]`` (or a scalar for ``current_version`` and ``step``). Feed each sequence once per step (the first
-        of several PPO epochs over it), as ``RolloutWriter(dedupe=True)`` writes it. Tensors stay on their device;
-        the call syncs with the host where the statistics need it (the row lengths, validation, compaction to the
-        loss-mask tokens).
+        ``attention_mask``, else at its last ``loss_mask`` position), packed ``[N]`` with ``cu_seqlens``, or lists
+        of 1-D tensors (one per sequence), all in the same form; value ``t`` belongs to token ``t`` unless
+        ``alignment="next_token"``. Per-sequence columns are ``[B]`` (or a scalar for ``current_version`` and
+        ``step``). Feed each sequence once per step (the first of several PPO epochs over it), as
+        ``RolloutWriter(dedupe=True)`` writes it. Tensors stay on their device; the call syncs with the host where
+        the statistics need it (the row lengths, validation, compaction to the loss-mask tokens).
 
         Args:
             new_logp: the trainer's log-probs of the tokens (required).
@@ -197,9 +197,8 @@ class Diagnoser:
         inputs (:func:`~grpo_cli.io._writer_inputs.pack_inputs`, the writer's own reading; floats as read, integers
         as int64, per-sequence advantages on every token)."""
         new_logp = given["new_logp"]
-        if not isinstance(new_logp, Tensor):
-            raise TypeError("new_logp must be a tensor ([B, T] padded or [N] packed with cu_seqlens)")
-        device = new_logp.device
+        first = new_logp[0] if isinstance(new_logp, (list, tuple)) and new_logp else new_logp
+        device = first.device if isinstance(first, Tensor) else torch.device("cpu")
         inputs = {name: given[name] for name in ("new_logp", "loss_mask", *_PER_TOKEN, "advantages", *_PER_SEQUENCE)}
         inputs["step"] = None
         inputs = {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in inputs.items() if v is not None}
