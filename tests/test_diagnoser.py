@@ -233,3 +233,32 @@ def test_the_recipes_helper_ends_a_step_when_the_next_begins(tmp_path_factory: p
     # the first step ended when the second began: the engine's temperature was named there
     assert "grpo-cli GRP102 error at step 0:" in capsys.readouterr().out
     assert namespace["_open_step"] == 1 and namespace["diagnoser"].findings()[0]["step"] == 0
+
+
+def test_two_gloo_ranks_judge_as_one_process(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    files = dump(_CASES["temperature@0.7"], tmp_path_factory)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    here = Path(__file__).resolve().parent
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", str(here / "diagnoser_job.py"),
+              str(tmp_path), json.dumps([str(f) for f in files])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(here.parent)}
+    proc = subprocess.run(launch, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    one, per_step = replay(files, {})
+    expected = [[[f["code"], f["severity"]] for f in step] for step in per_step]
+    for result in ranks:  # every rank: the one process's judgement at every step, and its evidence
+        assert result["per_step"] == expected
+        assert graded(result["findings"]) == graded(one.findings())
+        for theirs, mine in zip(result["findings"], one.findings()):
+            for key, ev in mine["evidence"].items():
+                assert theirs["evidence"][key]["value"] == pytest.approx(ev["value"], rel=1e-9, abs=1e-12), key
