@@ -330,8 +330,10 @@ class Diagnoser:
         devices = [d for _, d in everyone if d is not None]
         if not devices:
             return None, columns
-        if states is None:
-            states = [g.init_state(self.config, torch.device(devices[0])) for g in self.groups]
+        if states is None:  # empty states where this rank's would be: its own GPU, or the CPU
+            kind = torch.device(devices[0]).type
+            here = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+            states = [g.init_state(self.config, here) for g in self.groups]
         all_reduce_states(states, group)
         return states, columns
 
