@@ -71,7 +71,7 @@ class Diagnoser:
             within its first step as it would be in a dump of that step alone.
         window: steps whose per-sequence rows are kept (:meth:`MetricGroup.retire
             <grpo_cli.engine.group.MetricGroup.retire>`): a sequence written twice is found when its copies are
-            fewer than ``window`` steps apart. Older rows seen once leave memory and stay counted.
+            fewer than ``window`` steps apart. Older rows leave memory; what they counted stays counted.
         **options: ``analyze``'s options by their names (:class:`~grpo_cli.metrics.AnalyzeConfig` fields such as
             ``epsilon``, ``epsilon_high``, ``current_version``, ``on_invalid``; and
             :class:`~grpo_cli.findings.DetectConfig`'s ``max_staleness`` and ``prox_approximation``).
@@ -80,6 +80,7 @@ class Diagnoser:
         TypeError: an option ``analyze`` does not take, or one that describes streaming a dump (``group_by``,
             ``batch_tokens``, ``max_groups``, ``device``).
         grpo_cli.errors.UsageError: an option value ``analyze`` refuses.
+        ValueError: ``window`` below 1.
 
     Example:
         >>> import torch
