@@ -6,7 +6,8 @@ The public API, importable from here (each name is loaded on first use, so ``imp
 - loss objects: :class:`GRPOLoss`, :class:`GSPOLoss`, :class:`SAPOLoss`, :class:`CISPOLoss`, :class:`BNPOLoss`,
   :class:`DRGRPOLoss`;
 - reading and writing dumps: :class:`RolloutDataset`, :class:`RolloutWriter`;
-- the analysis pipeline: :func:`analyze`, :class:`AnalyzeConfig`, :func:`compare_prox`, :class:`CompareProxConfig`.
+- the analysis pipeline: :func:`analyze`, :class:`AnalyzeConfig`, :func:`compare_prox`, :class:`CompareProxConfig`;
+- findings while training: :class:`Diagnoser` (``analyze``'s detectors fed per batch, judged per step).
 
 The pure torch functions (losses, estimators, metric states) live in :mod:`grpo_cli.core`.
 """
@@ -34,11 +35,13 @@ _EXPORTS = {
     "AnalyzeConfig": "grpo_cli.commands.analyze",
     "compare_prox": "grpo_cli.commands.compare_prox",
     "CompareProxConfig": "grpo_cli.commands.compare_prox",
+    "Diagnoser": "grpo_cli.commands.diagnoser",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see for the lazy names above
     from grpo_cli.commands.analyze import AnalyzeConfig, analyze
     from grpo_cli.commands.compare_prox import CompareProxConfig, compare_prox
+    from grpo_cli.commands.diagnoser import Diagnoser
     from grpo_cli.core.loss_objects import BNPOLoss, CISPOLoss, DRGRPOLoss, GRPOLoss, GSPOLoss, SAPOLoss
     from grpo_cli.core.metric import CISPOMetric, GRPOMetric, GSPOMetric
     from grpo_cli.io import RolloutDataset, RolloutWriter
@@ -49,6 +52,7 @@ __all__ = [
     "CISPOMetric",
     "CompareProxConfig",
     "DRGRPOLoss",
+    "Diagnoser",
     "GRPOLoss",
     "GRPOMetric",
     "GSPOLoss",

@@ -54,6 +54,11 @@ class MetricGroup:
     def compute(self, state: MetricState, config: Any) -> dict[str, Any]:
         raise NotImplementedError
 
+    def retire(self, state: MetricState, before_file: int) -> None:
+        """Forget per-sequence rows of ``state`` last seen in a file before ``before_file`` where the group's figures
+        allow it (the online :class:`~grpo_cli.commands.diagnoser.Diagnoser` calls it with each step as a file, to
+        keep its memory bounded); by default nothing is forgotten."""
+
 
 @dataclass
 class Accumulator:

@@ -18,7 +18,7 @@ from grpo_cli.engine.parallel import accumulate
 from grpo_cli.engine.validate import require_data
 from grpo_cli.io.reader import RolloutDataset
 
-__all__ = ["AnalysisResult", "finalize", "run"]
+__all__ = ["AnalysisResult", "compute_figures", "finalize", "run"]
 
 
 @dataclass
@@ -38,8 +38,25 @@ class AnalysisResult:
     """The findings (:mod:`grpo_cli.findings`), most severe first; filled by the commands that diagnose."""
 
 
+def compute_figures(
+    columns: frozenset[str], config: Any, groups: Sequence[MetricGroup], states: Sequence[MetricState]
+) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
+    """Every group's figures from merged ``states`` of data with ``columns``: ``(metrics, omitted, evidence)``.
+
+    ``omitted`` maps each key the data cannot support to its reason (the declarations'); ``evidence`` holds the
+    findings-only groups' ``diag/*`` values. :func:`finalize` and the online
+    :class:`~grpo_cli.commands.diagnoser.Diagnoser` both compute through here.
+    """
+    metrics, omitted = _figures(columns, config, groups, states)
+    evidence: dict[str, Any] = {}
+    for group, state in zip(groups, states):
+        if group.findings_only:
+            evidence.update(group.compute(state, config))
+    return metrics, omitted, evidence
+
+
 def _figures(
-    dataset: RolloutDataset, config: Any, groups: Sequence[MetricGroup], states: Sequence[MetricState]
+    columns: frozenset[str], config: Any, groups: Sequence[MetricGroup], states: Sequence[MetricState]
 ) -> tuple[dict[str, Any], dict[str, str]]:
     metrics: dict[str, Any] = {}
     omitted: dict[str, str] = {}
@@ -47,7 +64,7 @@ def _figures(
         if group.findings_only:
             continue
         figures = group.compute(state, config)
-        reasons = group.omitted(dataset.columns, config)
+        reasons = group.omitted(columns, config)
         metrics.update({k: v for k, v in figures.items() if k not in reasons})
         omitted.update(reasons)
     if metrics.get("n_valid_tokens", 0) == 0:
@@ -64,20 +81,16 @@ def finalize(
     acc: Accumulator,
 ) -> AnalysisResult:
     """Compute every group's figures from merged states and collect the omitted keys with reasons."""
-    metrics, omitted = _figures(dataset, config, groups, acc.overall)
+    metrics, omitted, evidence = compute_figures(dataset.columns, config, groups, acc.overall)
     require_data(metrics, [str(p) for p in dataset.files])  # zero rows / all skipped / no valid tokens: exit 2
     keyed = per_key(groups)
     # A coded --group-by column (strings, …) reports each code's value; codes sort like the values.
     values = dataset.group_values(config.group_by) if coded_group_by(getattr(config, "group_by", None)) else None
     by_key = [
         {"key": key if values is None else values[int(key)],
-         "metrics": _without_skip_counts(_figures(dataset, config, keyed, acc.by_key[key])[0])}
+         "metrics": _without_skip_counts(_figures(dataset.columns, config, keyed, acc.by_key[key])[0])}
         for key in sorted(acc.by_key)
     ]
-    evidence: dict[str, Any] = {}
-    for group, state in zip(groups, acc.overall):
-        if group.findings_only:
-            evidence.update(group.compute(state, config))
     return AnalysisResult(
         metrics=metrics,
         omitted=omitted,

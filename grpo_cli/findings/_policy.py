@@ -10,6 +10,7 @@ from typing import Any
 
 from grpo_cli.findings._base import (
     Detector,
+    Estimate,
     Finding,
     _cap,
     _Ctx,
@@ -266,7 +267,7 @@ def _clipping(c: _Ctx) -> list[Finding]:
     worst = max(series, key=lambda x: x[1]) if series else None
     # Fractions of tokens with Wilson intervals: one step of 288 tokens at 0.205 is not yet past 0.2.
     n_tokens = c.n_tokens or 0
-    estimates = []
+    estimates: list[tuple[str, Estimate, int | None]] = []
     if overall is not None:
         estimates.append(("clip/ratio", _wilson(round(overall * n_tokens), int(n_tokens)), None))
     if worst:

@@ -25,24 +25,41 @@ order, ``RepeatSampler``); ``micro_batch`` numbers the loss forwards of the run 
 the same number on every process). Every forward is written: with ``num_iterations > 1`` a completion is trained
 on, and written, once per iteration (its ``seq_id`` repeats, under the step and micro-batch of that forward).
 
+Findings while training: :class:`FindingsCallback` (a ``TrainerCallback``) holds a
+:class:`~grpo_cli.commands.diagnoser.Diagnoser`; the mixin feeds it every training forward's tensors (the columns
+it dumps, plus each completion's weights version, ``state.global_step`` when it was generated, against the
+forward's) and adds its counts to the trainer's logs. A callback alone never sees the batch, hence the mixin
+(``dump_dir=None`` when only the findings are wanted).
+
 Importing this module imports ``trl``; importing :mod:`grpo_cli` does not.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import trl
 from torch import Tensor
+from transformers import TrainerCallback
 
+from grpo_cli.commands.diagnoser import CONCLUSIVE, Diagnoser
 from grpo_cli.io import RolloutWriter
 
-__all__ = ["SUPPORTED_TRL", "GRPODumpMixin", "completion_eos", "sequence_rewards", "trl_version_supported"]
+__all__ = [
+    "SUPPORTED_TRL",
+    "FindingsCallback",
+    "GRPODumpMixin",
+    "completion_eos",
+    "format_finding",
+    "sequence_rewards",
+    "trl_version_supported",
+]
 
 SUPPORTED_TRL: tuple[str, ...] = ("1.16",)
 """TRL releases (``major.minor``) whose ``GRPOTrainer`` internals these hooks follow and are tested with."""
@@ -131,7 +148,8 @@ class GRPODumpMixin:
 
     Args:
         *args: passed to ``GRPOTrainer``.
-        dump_dir: directory of the training dump (created if missing; one part file per step and rank).
+        dump_dir: directory of the training dump (created if missing; one part file per step and rank), or
+            ``None`` to write no dump (with a :class:`FindingsCallback`: findings only).
         eval_dump_dir: directory for evaluation rows, or ``None`` (default) to write nothing from evaluation.
             It must lie outside ``dump_dir`` (``grpo-cli analyze DIR`` reads sub-directories too).
         **kwargs: passed to ``GRPOTrainer``.
@@ -143,13 +161,14 @@ class GRPODumpMixin:
     def __init__(
         self,
         *args: Any,
-        dump_dir: str | os.PathLike[str] = "grpo_dumps",
+        dump_dir: str | os.PathLike[str] | None = "grpo_dumps",
         eval_dump_dir: str | os.PathLike[str] | None = None,
         **kwargs: Any,
     ) -> None:
-        dirs = {"train": Path(dump_dir)}
+        dirs = {} if dump_dir is None else {"train": Path(dump_dir)}
         if eval_dump_dir is not None:
             dirs["eval"] = Path(eval_dump_dir)
+        if len(dirs) == 2:
             train, evaluation = (p.resolve() for p in (dirs["train"], dirs["eval"]))
             if _inside(train, evaluation) or _inside(evaluation, train):
                 raise ValueError(
@@ -191,6 +210,8 @@ class GRPODumpMixin:
         n_generations = self.num_generations if mode == "train" else self.num_generations_eval  # type: ignore[attr-defined]  # GRPOTrainer attribute
         out["grpo_seq_id"] = seq_id
         out["grpo_group_id"] = seq_id // n_generations
+        # the weights that generated these completions: optimizer steps taken so far (FindingsCallback's versions)
+        out["grpo_version"] = torch.full((b,), int(self.state.global_step), dtype=torch.int64, device=device)  # type: ignore[attr-defined]  # GRPOTrainer attribute
         self._grpo_rows[mode] += b * world
         if self._grpo_rewards is not None:
             out["grpo_rewards"] = self._grpo_rewards[rank * b:(rank + 1) * b].to(device)
@@ -216,6 +237,12 @@ class GRPODumpMixin:
             self._grpo_capture = False
         self._grpo_record(self._grpo_mode(), inputs)
         return loss
+
+    def log(self, logs: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        if self._grpo_mode() == "train":  # the findings beside the losses, for every logger (TensorBoard, W&B, …)
+            for callback in self._grpo_findings_callbacks():
+                logs.update(callback.diagnoser.counts())
+        super().log(logs, *args, **kwargs)  # type: ignore[misc]  # GRPOTrainer method (mixin)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -276,11 +303,16 @@ class GRPODumpMixin:
             self._grpo_writers[mode] = writer
         return writer
 
+    def _grpo_findings_callbacks(self) -> list[FindingsCallback]:
+        handler = getattr(self, "callback_handler", None)
+        return [c for c in getattr(handler, "callbacks", ()) if isinstance(c, FindingsCallback)]
+
     def _grpo_record(self, mode: str, inputs: dict[str, Any]) -> None:
         micro_batch = self._grpo_forwards[mode]
         self._grpo_forwards[mode] += 1
         writer = self._grpo_writer(mode)
-        if writer is None:
+        callbacks = self._grpo_findings_callbacks() if mode == "train" else []
+        if writer is None and not callbacks:
             return
         if self._grpo_captured is None:
             raise RuntimeError(
@@ -292,13 +324,115 @@ class GRPODumpMixin:
         completion_mask = inputs["completion_mask"]
         mask = completion_mask if inputs.get("tool_mask") is None else completion_mask * inputs["tool_mask"]
         global_step = int(self.state.global_step)  # type: ignore[attr-defined]  # GRPOTrainer attribute
-        writer.add(
+        columns: dict[str, Any] = dict(
             step=global_step + 1 if mode == "train" else global_step,  # the step TRL logs this forward under
             new_logp=new_logp, entropy=entropy,
             old_logp=inputs.get("sampling_per_token_logps"), prox_logp=inputs.get("old_per_token_logps"),
             ref_logp=inputs.get("ref_per_token_logps"), loss_mask=mask, advantages=inputs["advantages"],
             rewards=inputs.get("grpo_rewards"), eos=inputs["grpo_eos"],
-            seq_id=inputs["grpo_seq_id"], group_id=inputs["grpo_group_id"], micro_batch=micro_batch,
+            seq_id=inputs["grpo_seq_id"], group_id=inputs["grpo_group_id"],
             lengths=completion_mask.sum(dim=1),  # completion tokens up to and including EOS
-            window="response",
         )
+        if writer is not None:
+            writer.add(**columns, micro_batch=micro_batch, window="response")
+        if callbacks:
+            version = inputs.get("grpo_version")
+            if version is not None:  # every completion token was generated by the weights of its generation
+                columns["versions"] = version[:, None].expand_as(new_logp)
+                columns["current_version"] = global_step
+            for callback in callbacks:
+                callback.feed(columns)
+
+
+def format_finding(finding: Mapping[str, Any]) -> str:
+    """A finding as the lines :class:`FindingsCallback` prints: code, severity, category, step and title, then the
+    evidence (each statistic with its 95 % interval and threshold), where, the fix and any notes.
+
+    Example:
+        >>> print(format_finding({"code": "GRP102", "severity": "error", "category": "temperature", "step": 3,
+        ...     "title": "t", "evidence": {"diag/temperature_ratio": {"value": 0.7, "low": 0.66, "high": 0.74,
+        ...     "threshold": 0.9}}, "where": {}, "fix": "f", "notes": []}))
+        grpo-cli GRP102 error [temperature] at step 3: t
+          diag/temperature_ratio = 0.7 (95 % 0.66 to 0.74; threshold 0.9)
+          fix: f
+    """
+    lines = [f"grpo-cli {finding['code']} {finding['severity']} [{finding['category']}] at step "
+             f"{finding.get('step')}: {finding['title']}"]
+    for key, ev in (finding.get("evidence") or {}).items():
+        value, low, high = (ev.get(k) for k in ("value", "low", "high"))
+        parts = [] if low is None or low == high else [f"95 % {low:.4g} to {high:.4g}"]
+        parts += [] if ev.get("threshold") is None else [f"threshold {ev['threshold']}"]
+        lines.append(f"  {key} = {value:.4g}" + (f" ({'; '.join(parts)})" if parts else ""))
+    where = {k: v for k, v in (finding.get("where") or {}).items() if v}
+    if where:
+        lines.append(f"  where: {', '.join(f'{k} {str(v)[:120]}' for k, v in where.items())}")
+    lines.append(f"  fix: {finding.get('fix', '')}")
+    lines.extend(f"  note: {note}" for note in finding.get("notes") or [])
+    return "\n".join(lines)
+
+
+class FindingsCallback(TrainerCallback):
+    """``analyze``'s findings while a ``GRPOTrainer`` trains, at the step a fault appears.
+
+    Register it with a trainer whose class includes :class:`GRPODumpMixin` (``callbacks=[FindingsCallback()]``;
+    the mixin feeds it every training forward). At each optimizer step's end it calls
+    :meth:`Diagnoser.step_end <grpo_cli.commands.diagnoser.Diagnoser.step_end>`, prints each finding once when it
+    becomes conclusive (:func:`format_finding`, on the main process), and the trainer's logs carry
+    :meth:`Diagnoser.counts <grpo_cli.commands.diagnoser.Diagnoser.counts>` (``findings/error``,
+    ``findings/<category>``, ``findings/<code>``) beside the losses.
+
+    Args:
+        diagnoser: the :class:`~grpo_cli.commands.diagnoser.Diagnoser` to feed (default: one built from
+            ``options``).
+        stop_on: ``"error"`` (or ``"warning"``) stops training (``control.should_training_stop``) at the step a
+            finding reaches that severity; ``None`` (default) never stops.
+        verbose: print each finding when it becomes conclusive.
+        **options: ``analyze``'s options for the default diagnoser (``epsilon``, ``max_staleness``, …).
+
+    Attributes:
+        stopped_by: the finding that stopped training, or ``None``.
+
+    Raises:
+        ValueError: ``stop_on`` is not ``None``, ``"warning"`` or ``"error"``.
+    """
+
+    def __init__(
+        self, diagnoser: Diagnoser | None = None, *, stop_on: str | None = None, verbose: bool = True, **options: Any
+    ) -> None:
+        if stop_on is not None and stop_on not in CONCLUSIVE:
+            raise ValueError(f"stop_on must be None, 'warning' or 'error', got {stop_on!r}")
+        if diagnoser is not None and options:
+            raise TypeError("pass a diagnoser or its options, not both")
+        self.diagnoser = diagnoser if diagnoser is not None else Diagnoser(**options)
+        self.stop_on = stop_on
+        self.verbose = verbose
+        self.stopped_by: dict[str, Any] | None = None
+        self._fed = False
+
+    def feed(self, columns: Mapping[str, Any]) -> None:
+        """One training forward's columns (:meth:`Diagnoser.update`'s keywords); :class:`GRPODumpMixin` calls it."""
+        self.diagnoser.update(**columns)
+        self._fed = True
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if not self._fed:
+            raise RuntimeError(
+                "FindingsCallback saw no batch: the trainer's class must include "
+                "grpo_cli.integrations.trl.GRPODumpMixin before GRPOTrainer (a callback alone never sees the batch)"
+            )
+        self._fed = False
+        risen = self.diagnoser.step_end(int(state.global_step))
+        main = getattr(state, "is_world_process_zero", True)
+        for finding in risen:
+            if self.verbose and main:
+                print(format_finding(finding), flush=True)
+        if self.stop_on is not None and self.stopped_by is None:
+            floor = CONCLUSIVE.index(self.stop_on)
+            worst = next((f for f in risen if CONCLUSIVE.index(f["severity"]) >= floor), None)
+            if worst is not None:
+                self.stopped_by = worst
+                control.should_training_stop = True
+                if main:
+                    print(f"grpo-cli: stopping training at step {state.global_step} on {worst['code']} "
+                          f"({worst['severity']}): {worst['title']}", file=sys.stderr, flush=True)
+        return control

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -10,6 +12,8 @@ import torch
 from torch import Tensor
 
 from grpo_cli.core.packing import cu_seqlens_from_lengths, lengths_from_cu_seqlens, padded_to_packed
+from grpo_cli.io.align import unroll_next_token
+from grpo_cli.io.part_writer import SEQUENCE_INPUTS, TOKEN_INPUTS, _alignments
 
 __all__: list[str] = []  # private to grpo_cli.io.writer
 
@@ -167,6 +171,72 @@ class _Layout:
                 f"{name}: expected {self.n_sequences} values (one per sequence), got {tuple(tensor.shape)}"
             )
         return tensor
+
+
+@dataclass
+class PackedInputs:
+    """One ``add`` call's inputs, token-aligned and packed (still torch, on the inputs' devices).
+
+    Attributes:
+        layout: how the call's per-token inputs were laid out.
+        token: packed ``[N]`` per-token columns (``loss_mask`` bool), un-rolled to token alignment.
+        sequence: ``[B]`` per-sequence columns (and ``advantages`` when given per sequence).
+    """
+
+    layout: _Layout
+    token: dict[str, Tensor]
+    sequence: dict[str, Tensor]
+
+
+def pack_inputs(
+    inputs: Mapping[str, Any],
+    *,
+    cu_seqlens: Any = None,
+    lengths: Any = None,
+    attention_mask: Any = None,
+    alignment: str = "token",
+    column_alignment: Mapping[str, str] | None = None,
+    window: str = "full",
+) -> PackedInputs:
+    """``RolloutWriter.add``'s inputs (padded, packed or lists; token or next-token aligned) → :class:`PackedInputs`:
+    the one reading of them, shared by the writer and the online ``Diagnoser``."""
+    aligned = _alignments(alignment, column_alignment, window)
+    layout = _Layout(
+        inputs["new_logp"], cu_seqlens=cu_seqlens, lengths=lengths, attention_mask=attention_mask,
+        loss_mask=inputs.get("loss_mask"), mask_next_token=aligned["loss_mask"] == "next_token",
+    )
+    cu = layout.cu_seqlens
+    token: dict[str, Tensor] = {}
+    sequence: dict[str, Tensor] = {}
+    if layout.n_sequences == 0:
+        return PackedInputs(layout, token, sequence)
+    unrolled_any = False
+    for name in TOKEN_INPUTS:
+        value = inputs.get(name)
+        if value is None:
+            continue
+        if name == "advantages" and layout.is_per_sequence(value):
+            sequence[name] = layout.per_sequence(value, name)
+            continue
+        packed = layout.pack(value, name)
+        if name == "loss_mask":
+            packed = packed != 0
+        if aligned[name] == "next_token":
+            fill: float | int | bool = {"loss_mask": False, "versions": -1}.get(name, 0.0)
+            packed = unroll_next_token(packed, cu.to(packed.device), fill)
+            unrolled_any = unrolled_any or name != "versions"
+        token[name] = packed
+    if unrolled_any:
+        # After un-rolling, the first token of every sequence has no value: never let it count.
+        first = torch.zeros(layout.n_tokens, dtype=torch.bool)
+        first[cu[:-1][layout.lengths > 0]] = True
+        mask = token.get("loss_mask")
+        token["loss_mask"] = ~first if mask is None else mask.cpu() & ~first
+    for name in SEQUENCE_INPUTS:
+        value = inputs.get(name)
+        if value is not None:
+            sequence[name] = layout.per_sequence(value, name)
+    return PackedInputs(layout, token, sequence)
 
 
 def _float_numpy(values: Tensor, name: str) -> np.ndarray:

@@ -53,8 +53,7 @@ import torch
 from torch import Tensor
 
 from grpo_cli.core.packing import cu_seqlens_from_lengths
-from grpo_cli.io._writer_inputs import _float_numpy, _int_numpy, _Layout, _mask_numpy
-from grpo_cli.io.align import unroll_next_token
+from grpo_cli.io._writer_inputs import _float_numpy, _int_numpy, _mask_numpy, pack_inputs
 from grpo_cli.io.parquet_file import ColumnRewriter, ParquetFileOut
 from grpo_cli.io.part_writer import (
     ALIGNMENTS,
@@ -63,7 +62,6 @@ from grpo_cli.io.part_writer import (
     TOKEN_INPUTS,
     WINDOWS,
     PartWriter,
-    _alignments,
     arrow_columns,
     fast_write_options,
     read_metadata,
@@ -192,43 +190,12 @@ class RolloutWriter(PartWriter):
                   "entropy": entropy, "loss_mask": loss_mask, "versions": versions, "advantages": advantages,
                   "rewards": rewards, "current_version": current_version, "group_id": group_id, "seq_id": seq_id,
                   "micro_batch": micro_batch, **columns}
-        aligned = _alignments(alignment, column_alignment, window)
-        layout = _Layout(
-            new_logp, cu_seqlens=cu_seqlens, lengths=lengths, attention_mask=attention_mask, loss_mask=loss_mask,
-            mask_next_token=aligned["loss_mask"] == "next_token",
-        )
+        packed_inputs = pack_inputs(inputs, cu_seqlens=cu_seqlens, lengths=lengths, attention_mask=attention_mask,
+                                    alignment=alignment, column_alignment=column_alignment, window=window)
+        layout, token, sequence = packed_inputs.layout, packed_inputs.token, packed_inputs.sequence
         if layout.n_sequences == 0:
             return 0
         cu = layout.cu_seqlens
-        # 1. every input → a packed per-token tensor or a [B] per-sequence tensor (still torch, any device)
-        token: dict[str, Tensor] = {}
-        sequence: dict[str, Tensor] = {}
-        unrolled_any = False
-        for name in TOKEN_INPUTS:
-            value = inputs.get(name)
-            if value is None:
-                continue
-            if name == "advantages" and layout.is_per_sequence(value):
-                sequence[name] = layout.per_sequence(value, name)
-                continue
-            packed = layout.pack(value, name)
-            if name == "loss_mask":
-                packed = packed != 0
-            if aligned[name] == "next_token":
-                fill: float | int | bool = {"loss_mask": False, "versions": -1}.get(name, 0.0)
-                packed = unroll_next_token(packed, cu.to(packed.device), fill)
-                unrolled_any = unrolled_any or name != "versions"
-            token[name] = packed
-        if unrolled_any:
-            # After un-rolling, the first token of every sequence has no value: never let it count.
-            first = torch.zeros(layout.n_tokens, dtype=torch.bool)
-            first[cu[:-1][layout.lengths > 0]] = True
-            mask = token.get("loss_mask")
-            token["loss_mask"] = ~first if mask is None else mask.cpu() & ~first
-        for name in SEQUENCE_INPUTS:
-            value = inputs.get(name)
-            if value is not None:
-                sequence[name] = layout.per_sequence(value, name)
         lengths = layout.lengths
         if self.dedupe:
             keep = self._unseen(step, sequence.get("seq_id"))

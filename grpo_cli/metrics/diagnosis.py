@@ -20,6 +20,7 @@ from grpo_cli.core.diagnosis import (
     by_step_state,
     by_step_update,
     duplicates_compute,
+    duplicates_retire_,
     duplicates_state,
     duplicates_update,
     equality_compute,
@@ -145,6 +146,9 @@ class DuplicatesGroup(_DiagGroup):
 
     def compute(self, state: MetricState, config: Any) -> dict[str, Any]:
         return duplicates_compute(state)  # type: ignore[arg-type]  # a KeyedState, from init_state
+
+    def retire(self, state: MetricState, before_file: int) -> None:
+        duplicates_retire_(state, before_file)  # type: ignore[arg-type]  # a KeyedState, from init_state
 
 
 class GroupsGroup(_DiagGroup):

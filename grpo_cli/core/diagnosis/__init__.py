@@ -37,7 +37,13 @@ from __future__ import annotations
 
 from grpo_cli.core.diagnosis._common import LOGP_COLUMNS, TOP_FIELDS
 from grpo_cli.core.diagnosis.by_step import LAG0_SEQ_MIN_TOKENS, by_step_compute, by_step_state, by_step_update
-from grpo_cli.core.diagnosis.duplicates import duplicates_compute, duplicates_state, duplicates_update, sequence_hash
+from grpo_cli.core.diagnosis.duplicates import (
+    duplicates_compute,
+    duplicates_retire_,
+    duplicates_state,
+    duplicates_update,
+    sequence_hash,
+)
 from grpo_cli.core.diagnosis.equality import equality_compute, equality_state, equality_update
 from grpo_cli.core.diagnosis.groups import SCALE_TOLERANCE, groups_compute, groups_state, groups_update
 from grpo_cli.core.diagnosis.lags import BIG_SEQ_MISMATCH, MAX_DIAG_LAG, lags_compute, lags_state, lags_update
@@ -63,6 +69,7 @@ __all__ = [
     "by_step_state",
     "by_step_update",
     "duplicates_compute",
+    "duplicates_retire_",
     "duplicates_state",
     "duplicates_update",
     "equality_compute",

@@ -10,9 +10,9 @@ from torch import Tensor
 from grpo_cli.core.diagnosis._common import locations
 from grpo_cli.core.keyed_state import KeyedState
 from grpo_cli.core.packing import lengths_from_cu_seqlens, segment_ids
-from grpo_cli.core.state import Reduce
+from grpo_cli.core.state import Reduce, count
 
-__all__ = ["duplicates_compute", "duplicates_state", "duplicates_update", "sequence_hash"]
+__all__ = ["duplicates_compute", "duplicates_retire_", "duplicates_state", "duplicates_update", "sequence_hash"]
 
 _HASH_P = 2_147_483_647  # 2^31 − 1
 _LOC_SCALE = 2.0**32
@@ -56,9 +56,43 @@ def sequence_hash(bits: list[Tensor], cu_seqlens: Tensor) -> Tensor:
 
 def duplicates_state(device: torch.device | str | None = None) -> KeyedState:
     """An empty state for :func:`duplicates_update`: keyed tables ``content`` and ``ids`` with columns
-    (count, first location, last location), a location being ``file·2³² + row``."""
+    (count, first location, last location), a location being ``file·2³² + row``, and what
+    :func:`duplicates_retire_` folded out of each: the sequences (``content_retired``, ``ids_retired``) and the
+    repeats among them (``content_extra_retired``, ``ids_extra_retired``)."""
     ops = (Reduce.SUM, Reduce.MIN, Reduce.MAX)
-    return KeyedState({}, {"content": ops, "ids": ops}, device)
+    retired = {f"{name}{part}_retired": count() for name in ("content", "ids") for part in ("", "_extra")}
+    return KeyedState(retired, {"content": ops, "ids": ops}, device)
+
+
+def duplicates_retire_(state: KeyedState, before_file: int) -> None:
+    """Fold the rows last seen in a file before ``before_file`` out of the tables into the ``*_retired`` counts:
+    memory then holds the keys of the recent files only.
+
+    :func:`duplicates_compute` gives the same fractions and counts as without retiring unless a sequence repeats one
+    retired before it (a copy more than the window apart, which is then not counted); ``diag/dup_where`` names
+    repeats among the kept rows only. The online
+    :class:`~grpo_cli.commands.diagnoser.Diagnoser` calls it with each step as a file.
+
+    Example:
+        >>> state = duplicates_state()
+        >>> cu = torch.tensor([0, 2, 4])
+        >>> duplicates_update(state, cu_seqlens=cu, columns=[torch.tensor([-1.0, -2.0, -1.0, -2.0])])
+        >>> duplicates_update(state, cu_seqlens=cu[:2], columns=[torch.tensor([-3.0, -4.0])], file_index=1)
+        >>> duplicates_retire_(state, 1)
+        >>> state["content"].shape[0], int(state["content_retired"]), duplicates_compute(state)["diag/dup_content_frac"]
+        (1, 2, 0.3333333333333333)
+        >>> duplicates_retire_(state, 2)
+        >>> state["content"].shape[0], int(state["content_retired"]), duplicates_compute(state)["diag/dup_content_frac"]
+        (0, 3, 0.3333333333333333)
+    """
+    for name in ("content", "ids"):
+        table = state[name]
+        old = table[:, 3] < before_file * _LOC_SCALE
+        if bool(old.any()):
+            n = table[old, 1]
+            state.values[f"{name}_retired"] = state[f"{name}_retired"] + n.sum().to(torch.int64)
+            state.values[f"{name}_extra_retired"] = state[f"{name}_extra_retired"] + (n - 1).sum().to(torch.int64)
+            state.values[name] = table[~old]
 
 
 def duplicates_update(
@@ -104,18 +138,19 @@ def duplicates_update(
         state.update(ids=torch.stack([k.to(torch.float64), ones, loc, loc], dim=1))
 
 
-def _dups(table: Tensor, limit: int = 8) -> tuple[int, int, list[dict[str, int]]]:
+def _dups(table: Tensor, retired: int = 0, extra_retired: int = 0, limit: int = 8
+          ) -> tuple[int, int, list[dict[str, int]]]:
     if table.shape[0] == 0:
-        return 0, 0, []
+        return extra_retired, retired, []
     counts = table[:, 1]
     rep = counts > 1
-    extra = int((counts[rep] - 1).sum())
+    extra = int((counts[rep] - 1).sum()) + extra_retired
     where = []
     for r in table[rep][:limit].tolist():
         first, last = int(r[2]), int(r[3])
         where.append({"count": int(r[1]), "file": first >> 32, "row": first & 0xFFFFFFFF,
                       "other_file": last >> 32, "other_row": last & 0xFFFFFFFF})
-    return extra, int(counts.sum()), where
+    return extra, int(counts.sum()) + retired, where
 
 
 def duplicates_compute(state: KeyedState) -> dict[str, Any]:
@@ -123,11 +158,12 @@ def duplicates_compute(state: KeyedState) -> dict[str, Any]:
     ``diag/dup_content_frac`` (that over all sequences), ``diag/dup_id_extra`` and ``diag/dup_id_frac`` for
     (step, seq_id) keys, and ``diag/dup_where`` (up to 8 repeated keys with two of their locations)."""
     out: dict[str, Any] = {}
-    extra, total_seq, where = _dups(state["content"])
+    extra, total_seq, where = _dups(state["content"], int(state["content_retired"]),
+                                    int(state["content_extra_retired"]))
     if total_seq:
         out["diag/dup_content_extra"] = extra
         out["diag/dup_content_frac"] = extra / total_seq
-    id_extra, id_total, id_where = _dups(state["ids"])
+    id_extra, id_total, id_where = _dups(state["ids"], int(state["ids_retired"]), int(state["ids_extra_retired"]))
     if id_total:
         out["diag/dup_id_extra"] = id_extra
         out["diag/dup_id_frac"] = id_extra / id_total
