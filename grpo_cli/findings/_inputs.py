@@ -208,7 +208,11 @@ def _later_steps_equal(f: Mapping[str, Any]) -> tuple[dict[str, float], list[int
     rows = [r for r in f.get("diag/by_step") or [] if r.get("n_ref")]
     if not rows:
         return None
-    later = rows[len(rows) // 2:]
+    # The later half, and never the first two steps of the dump: the proximal policy is one version behind the
+    # policy, so it still is the initial weights at step 1.
+    later = [r for r in rows[len(rows) // 2:] if r["step"] >= rows[0]["step"] + 2]
+    if not later:
+        return {}, []
     n = sum(r["n_ref"] for r in later)
     return {other: sum(r.get(f"ref_equal_{other}", 0) for r in later) / n for other in ("new", "old", "prox")}, [
         r["step"] for r in later]

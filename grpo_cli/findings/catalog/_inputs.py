@@ -260,9 +260,10 @@ RULES = (
         detection=(
             "Per step, the valid tokens where `ref_logp` equals `new_logp`, `old_logp` or `prox_logp` bitwise and is "
             "not 0 (zeros say nothing about which policy produced a column), pooled over the later half of the "
-            "dump's steps: a reference that is the policy's initial weights equals the policy in the first steps, "
-            "before the first update (and the proximal policy one step longer), and never after. A dump of steps 0 "
-            "and 1 only is capped at `info`. Without a step column, the dump-wide `diag/equal_frac/<a>_ref`. Also "
+            "dump's steps, from its third step on: a reference that is the policy's initial weights equals the "
+            "policy in the first steps, before the first update (and the proximal policy one step longer), and "
+            "never after. A dump of two steps says nothing. Without a step column, the dump-wide "
+            "`diag/equal_frac/<a>_ref`. Also "
             "`diag/zero_frac/ref_logp` (AReaL's placeholder). Measured on the corpus: healthy runs 0.00 on the later "
             "steps (0.25 dump-wide, all from steps 0–1); a dump whose `ref_logp` is the actor's tensor: 1.00."
         ),
