@@ -26,19 +26,36 @@ from _corpus_eval import Outcome, analyze_json, options_of
 SEED = 7
 """Not a seed the thresholds were looked at with (those were 1 and 2)."""
 _SIZE = {"steps": 6, "prompts_per_step": 12}
-_CACHE: dict[str, tuple[Outcome, dict[str, Any]]] = {}
+_CACHE: dict[str, tuple[Outcome, dict[str, Any], Path]] = {}
 REALISTIC = [cases[0] for cases in FAULTS.values()]
 
 
 def _outcome(case: Case, tmp_path_factory: pytest.TempPathFactory) -> tuple[Outcome, dict[str, Any]]:
     """The case's findings (generated and analysed once per session) and its analyze JSON."""
+    return _cached(case, tmp_path_factory)[:2]  # type: ignore[return-value]
+
+
+def _cached(case: Case, tmp_path_factory: pytest.TempPathFactory) -> tuple[Outcome, dict[str, Any], Path]:
     if case.name not in _CACHE:
         path = tmp_path_factory.mktemp(case.name.replace("@", "-"))
         spec = RunSpec(seed=SEED, **{**_SIZE, **case.spec})
         info = generate_run(spec, path)
         doc = analyze_json(path, *options_of(case))
-        _CACHE[case.name] = (Outcome(case, SEED, doc["findings"], info.hit, info.n_sequences), doc)
+        _CACHE[case.name] = (Outcome(case, SEED, doc["findings"], info.hit, info.n_sequences), doc, path)
     return _CACHE[case.name]
+
+
+@pytest.mark.parametrize("case", [*REALISTIC, *CONTROLS.values()], ids=lambda c: c.name)
+def test_a_step_by_step_replay_ends_with_the_same_findings(
+    case: Case, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``grpo_cli.Diagnoser`` fed each part file as a training step reports, at the end, ``analyze``'s codes at
+    ``analyze``'s severities: one implementation online and offline."""
+    from test_diagnoser import graded, replay
+
+    outcome, _, path = _cached(case, tmp_path_factory)
+    diagnoser, _ = replay(sorted(path.glob("part-*.parquet")), case.options)
+    assert graded(diagnoser.findings()) == graded(outcome.findings)
 
 
 @pytest.mark.parametrize("case", REALISTIC, ids=lambda c: c.name)
