@@ -271,9 +271,6 @@ class _Ctx:
             n_seq = sum(r.get("n_sequences", 0) for r in fig.get("diag/by_step") or []) or None
         self.n_tokens, self.n_sequences = n_tok, n_seq
 
-    def finish(self, f: Finding) -> Finding:
-        return f
-
 
 
 def _max_sev(a: str | None, b: str | None) -> str | None:

@@ -222,9 +222,9 @@ def _staleness(c: _Ctx) -> list[Finding]:
     frac = beyond / total_n
     sev = _grade(frac, STALE_WARNING, STALE_ERROR)
     if sev is None:
-        return [] if beyond == 0 else [c.finish(Finding(
+        return [] if beyond == 0 else [Finding(
             "GRP204", "staleness", "info", RULES["GRP204"].variants["below"].format(frac=frac, limit=limit),
-            {"lag beyond max_staleness frac": _ev(frac, STALE_WARNING)}, {}, RULES["GRP204"].fix))]
+            {"lag beyond max_staleness frac": _ev(frac, STALE_WARNING)}, {}, RULES["GRP204"].fix)]
     lag_max = max(k for k, _ in hist)
     title = RULES["GRP204"].title.format(frac=frac, limit=limit, lag_max=lag_max)
     rows = [r for r in (f.get("by_staleness") or []) if r.get("lag", -1) > limit][:5]

@@ -137,7 +137,7 @@ def detect(
     ctx = _Ctx(figures, per_step_rows(per_step), cfg)
     findings: list[Finding] = []
     for detector in DETECTORS:
-        findings.extend(ctx.finish(f) for f in detector.run(ctx))
+        findings.extend(detector.run(ctx))
     _retokenised_not_shifted(findings)
     _tilt_or_lift(findings)
     if any(f.code == "GRP101" and f.severity != "info" for f in findings):
