@@ -19,7 +19,7 @@ __all__ = ["LAG0_SEQ_MIN_TOKENS", "by_step_compute", "by_step_state", "by_step_u
 _STEP_COLUMNS = (
     "n_tok", "n_old", "sum_abs", "n_lag0", "sum_abs_lag0", "sum_exp_lag0", "n_ent", "sum_ent", "sum_neg_new",
     "n_seq", "n_eos_known", "n_no_eos", "n_lag", "sum_lag", "n_clip_known", "n_clip", "n_prox", "sum_prox_abs",
-    "n_rew", "sum_rew", "n_tail_lag0", "n_ref", "eq_ref_new", "eq_ref_old", "eq_ref_prox",
+    "n_rew", "sum_rew", "n_ref", "eq_ref_new", "eq_ref_old", "eq_ref_prox",
 )
 _STEP_OPS = (Reduce.SUM,) * len(_STEP_COLUMNS) + (Reduce.MAX, Reduce.MAX)
 _STEP_LAG_OPS = (Reduce.SUM, Reduce.SUM, Reduce.MAX, Reduce.MIN, Reduce.MIN)
@@ -99,8 +99,6 @@ def by_step_update(
             cols["n_lag0"] = tok_sum(at0)
             cols["sum_abs_lag0"] = tok_sum(diff * at0)
             cols["sum_exp_lag0"] = tok_sum(torch.exp(diff.to(torch.float64)) * at0)
-            # Importance weights outside [1/2, 2] at lag 0: engine/trainer disagreement, not policy change.
-            cols["n_tail_lag0"] = tok_sum((diff.to(torch.float64) > math.log(2.0)).to(torch.float64) * at0)
     if entropy is not None:
         cols["n_ent"] = cols["n_tok"]
         cols["sum_ent"] = tok_sum(as_float(entropy))
@@ -179,10 +177,9 @@ def _step_lag_rows(step: Tensor, seq: Tensor, new: Tensor, old: Tensor, lag: Ten
 def by_step_compute(state: KeyedState) -> dict[str, Any]:
     """``diag/by_step``: one row per step, in step order, ``{step, n_tokens, abs_diff_mean, lag0_n_tokens,
     lag0_abs_diff_mean, lag0_mult_prob_error, entropy_mean, neg_logp_mean, n_sequences, no_eos_frac, lag_mean,
-    lag_max, clip_frac, lag0_seq_max, prox_abs_diff_mean, reward_mean, lag0_tail_frac, n_ref, ref_equal_new,
-    ref_equal_old, ref_equal_prox}`` (``ref_equal_*``: tokens where ``ref_logp`` equals that column bitwise and is
-    not 0, of ``n_ref``; ``lag0_tail_frac``:
-    the lag-0 tokens whose weight exp(new − old) lies outside [1/2, 2]; ``prox_abs_diff_mean``: mean |new − prox|,
+    lag_max, clip_frac, lag0_seq_max, prox_abs_diff_mean, reward_mean, n_ref, ref_equal_new, ref_equal_old,
+    ref_equal_prox}`` (``ref_equal_*``: tokens where ``ref_logp`` equals that column bitwise and is not 0, of
+    ``n_ref``; ``prox_abs_diff_mean``: mean |new − prox|,
     the policy's own change over one version; ``lag0_seq_max``: the largest per-sequence mean |new − old| over the lag-0
     tokens of sequences with ≥ LAG0_SEQ_MIN_TOKENS of them: the worst engine of the step, which a broken worker
     sets whatever its share of the batch); and ``diag/by_step_lag``: one row per (step, lag) ``{step, lag,
@@ -213,7 +210,6 @@ def by_step_compute(state: KeyedState) -> dict[str, Any]:
             "lag0_seq_max": None if c["lag0_seq_max"] == -math.inf else c["lag0_seq_max"],
             "prox_abs_diff_mean": ratio("sum_prox_abs", "n_prox"),
             "reward_mean": ratio("sum_rew", "n_rew"),
-            "lag0_tail_frac": ratio("n_tail_lag0", "n_lag0"),
             "n_ref": int(c["n_ref"]),
             **{f"ref_equal_{name}": int(c[f"eq_ref_{name}"]) for name in ("new", "old", "prox")},
         })

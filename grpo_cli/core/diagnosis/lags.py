@@ -25,7 +25,6 @@ def lags_state(device: torch.device | str | None = None, top_k: int = 8) -> Metr
         "n": count(bins), "sum_abs": total(bins), "n_prox": count(bins), "sum_prox_err": total(bins),
         "sum_exp0": total(), "max_abs0": maximum(), "n_seq0": count(), "n_seq0_big": count(),
         "lag_max": maximum(), "top": top_rows(top_k, len(TOP_FIELDS)),
-        "sx0": total(), "sy0": total(), "sxx0": total(), "sxy0": total(),
     }
     return MetricState(specs, device)
 
@@ -89,11 +88,9 @@ def lags_update(
         err = (as_float(prox_logp).to(torch.float64) - (old + alpha * (new - old))).abs()
         state.update(n_prox=counts, sum_prox_err=by_lag(err))
     at0 = lag == 0
-    lag0 = at0.nonzero().squeeze(1)  # one gather index for the three lag-0 columns
-    x0, y0, d0 = new.index_select(0, lag0), old.index_select(0, lag0), diff.index_select(0, lag0)
-    state.update(sum_exp0=torch.exp(d0).sum(), sx0=x0.sum(), sy0=y0.sum(), sxx0=(x0 * x0).sum(),
-                 sxy0=(x0 * y0).sum())
-    if lag0.numel():
+    d0 = diff[at0]
+    state.update(sum_exp0=torch.exp(d0).sum())
+    if d0.numel():
         state.update(max_abs0=d0.max())
     n_seq = cu_seqlens.numel() - 1
     seq = segment_ids(cu_seqlens, n).to(device)
@@ -107,8 +104,7 @@ def lags_update(
 
 def lags_compute(state: MetricState, *, tolerance: float = 0.01) -> dict[str, Any]:
     """``diag/lag0_n_tokens``, ``diag/lag0_abs_diff_mean``, ``diag/lag0_abs_diff_max``, ``diag/lag0_mult_prob_error``
-    (NeMo RL's mean exp(|new − old|) over lag-0 tokens), ``diag/lag0_old_vs_new_slope`` (the least-squares slope
-    of old on new over lag-0 tokens, where policy drift cannot tilt it), ``diag/lag0_big_seq_frac`` (lag-0
+    (NeMo RL's mean exp(|new − old|) over lag-0 tokens), ``diag/lag0_big_seq_frac`` (lag-0
     sequences with mean |new − old| > :data:`BIG_SEQ_MISMATCH`), ``diag/lag0_top``; ``diag/by_lag`` rows
     ``{lag, n_tokens, abs_diff_mean, prox_loglinear_error}`` (the last bin, ``overflow``, holds lags ≥ MAX_DIAG_LAG);
     with ``prox_logp``: ``diag/prox_loglinear_safe_lag`` (the largest k ≥ 1 with every observed lag in [1, k] at a
@@ -127,10 +123,6 @@ def lags_compute(state: MetricState, *, tolerance: float = 0.01) -> dict[str, An
         out["diag/lag0_abs_diff_mean"] = sums[0] / n[0]
         out["diag/lag0_abs_diff_max"] = float(state["max_abs0"])
         out["diag/lag0_mult_prob_error"] = float(state["sum_exp0"]) / n[0]
-        mx, my = float(state["sx0"]) / n[0], float(state["sy0"]) / n[0]
-        vx = float(state["sxx0"]) / n[0] - mx * mx
-        if vx > 1e-12 * max(1.0, mx * mx):
-            out["diag/lag0_old_vs_new_slope"] = (float(state["sxy0"]) / n[0] - mx * my) / vx
     if int(state["n_seq0"]):
         out["diag/lag0_big_seq_frac"] = int(state["n_seq0_big"]) / int(state["n_seq0"])
         out["diag/lag0_n_seq"] = int(state["n_seq0"])
