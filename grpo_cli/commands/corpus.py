@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from grpo_cli.commands._sample_model import TinyCausalLM
-from grpo_cli.commands.sample import _decoupled_ppo_loss, _group_advantages, _reward
+from grpo_cli.commands.sample import _decoupled_ppo_loss, _group_advantages, _reward, _teacher_forced
 from grpo_cli.io.writer import RolloutWriter
 
 __all__ = ["WORKERS", "RunInfo", "RunSpec", "generate_run"]
@@ -205,14 +205,6 @@ def _generate(engine: TinyCausalLM, prompts: Tensor, max_new: int, spec: RunSpec
     tokens = torch.full((b, p + max_new), _EOS, dtype=torch.long)
     tokens[:, : seq.shape[1]] = seq
     return tokens, lengths, logps, done
-
-
-def _teacher_forced(model: TinyCausalLM, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    logp_all = torch.log_softmax(model(tokens[:, :-1]).float() / temperature, dim=-1)
-    logp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    zero = torch.zeros(tokens.shape[0], 1)
-    return torch.cat([zero, logp], 1), torch.cat([zero, entropy], 1)
 
 
 def _prompt(rng: random.Random) -> list[int]:

@@ -131,13 +131,17 @@ def _group_advantages(rewards: list[float]) -> list[float]:
     return [(r - mean) / (std + _ADV_EPS) for r in rewards]
 
 
-def _teacher_forced(model: TinyCausalLM, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position log π(token_t | tokens_<t) and entropy, ``[B, T]`` float32; position 0 holds 0.0.
+def _teacher_forced(
+    model: TinyCausalLM, tokens: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position log π(token_t | tokens_<t) and entropy at ``temperature``, ``[B, T]`` float32; position 0
+    holds 0.0.
 
     Logits come out in the model's dtype (bfloat16 for a behaviour snapshot) and the log-softmax runs in
     float32, as inference engines do.
     """
-    logp_all = torch.log_softmax(model(tokens[:, :-1]).float(), dim=-1)
+    logits = model(tokens[:, :-1]).float()
+    logp_all = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
     logp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     zero = torch.zeros(tokens.shape[0], 1, dtype=torch.float32, device=tokens.device)
