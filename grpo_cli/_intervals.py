@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["t975", "wilson"]
+__all__ = ["jackknife_interval", "t975", "wilson"]
 
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
@@ -28,3 +28,14 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def jackknife_interval(value: float, leave_one_out: list[float]) -> tuple[float, float]:
+    """The 95 % interval ``value ± t(g − 1)·se`` from the g leave-one-group-out values, with the delete-a-group
+    jackknife variance (g − 1)/g · Σ (θ_(k) − θ_(·))² (Efron & Stein 1981); (−∞, ∞) below two groups."""
+    g = len(leave_one_out)
+    if g < 2 or not math.isfinite(value):
+        return -math.inf, math.inf
+    mean = math.fsum(leave_one_out) / g
+    half = t975(g - 1) * math.sqrt((g - 1) / g * math.fsum((x - mean) ** 2 for x in leave_one_out))
+    return value - half, value + half

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from grpo_cli._intervals import t975
+from grpo_cli._intervals import jackknife_interval
 from grpo_cli.findings._base import (
     Detector,
     Estimate,
@@ -104,12 +104,7 @@ def _entropy_ratio(series: list[tuple[int, float, float]]) -> Estimate:
     value = stat(series)
     used = [i for i in range(len(series)) if i < k or i >= len(series) - k]
     loo = [stat(series[:i] + series[i + 1:]) for i in used if len(series) > 2 * k]
-    loo = [v for v in loo if math.isfinite(v)]
-    if len(loo) < 2:
-        return Estimate(value, -math.inf, math.inf)
-    mean = sum(loo) / len(loo)
-    half = t975(len(loo) - 1) * math.sqrt((len(loo) - 1) / len(loo) * sum((v - mean) ** 2 for v in loo))
-    return Estimate(value, value - half, value + half)
+    return Estimate(value, *jackknife_interval(value, [v for v in loo if math.isfinite(v)]))
 
 
 def _entropy(c: _Ctx) -> list[Finding]:

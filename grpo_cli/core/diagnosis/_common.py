@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_cli._intervals import t975
+from grpo_cli._intervals import jackknife_interval
 from grpo_cli.core.state import MetricState
 
 __all__ = [
@@ -132,10 +132,4 @@ def jackknife(stat: Any, blocks: Tensor) -> tuple[float, float, float]:
             theta = float(stat(total - blocks[k]))
             if math.isfinite(theta):
                 loo.append(theta)
-    g = len(loo)
-    if g < 2 or not math.isfinite(value):
-        return value, -math.inf, math.inf
-    mean = math.fsum(loo) / g
-    se = math.sqrt((g - 1) / g * math.fsum((x - mean) ** 2 for x in loo))
-    half = t975(g - 1) * se
-    return value, value - half, value + half
+    return (value, *jackknife_interval(value, loo))
