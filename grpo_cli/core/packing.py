@@ -19,6 +19,7 @@ __all__ = [
     "lengths_from_cu_seqlens",
     "packed_to_padded",
     "padded_to_packed",
+    "segment_count",
     "segment_ids",
     "segment_max",
     "segment_min",
@@ -121,6 +122,20 @@ def segment_sum(values: Tensor, cu_seqlens: Tensor, dtype: torch.dtype | None = 
         lengths = lengths_from_cu_seqlens(cu_seqlens).to(values.device)
         return torch.segment_reduce(values.to(dtype), "sum", lengths=lengths, unsafe=True)
     return out.index_add_(0, segment_ids(cu_seqlens, values.numel()), values.to(dtype))
+
+
+def segment_count(mask: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """int64 count of the true tokens of packed ``mask`` per sequence, from one running count (a prefix sum is
+    cheaper than a scatter, and integer counts do not depend on the order of addition).
+
+    Example:
+        >>> segment_count(torch.tensor([True, False, True]), torch.tensor([0, 2, 2, 3])).tolist()
+        [1, 0, 1]
+    """
+    running = torch.zeros(mask.numel() + 1, dtype=torch.int64, device=mask.device)
+    torch.cumsum(mask, 0, dtype=torch.int64, out=running[1:])
+    start = (cu_seqlens - cu_seqlens[0]).to(device=mask.device, dtype=torch.int64)
+    return running[start[1:]] - running[start[:-1]]
 
 
 def _segment_extreme(values: Tensor, cu_seqlens: Tensor, reduce: str, fill: float) -> Tensor:

@@ -19,6 +19,7 @@ __all__ = [
     "counts_by",
     "first_index",
     "jackknife",
+    "key_sums",
     "last_index",
     "locations",
     "sums_by",
@@ -81,6 +82,23 @@ def sums_by(index: Tensor, values: Tensor, n: int) -> Tensor:
 def counts_by(index: Tensor, mask: Tensor, n: int) -> Tensor:
     """int64 count of the ``mask`` tokens per segment (``index`` as in :func:`sums_by`)."""
     return torch.zeros(n, dtype=torch.int64, device=index.device).index_add_(0, index, mask.to(torch.int64))
+
+
+def key_sums(values: Tensor, key_of_seq: Tensor, cu_seqlens: Tensor, n_keys: int) -> Tensor:
+    """float64 ``[C, n_keys]``: each row of ``values`` (``[C, N]`` float64 over packed tokens) summed over the tokens
+    of the sequences of each key (``key_of_seq``: ``[B]`` in ``[0, n_keys)``).
+
+    Each sum adds its tokens in token order, as :func:`sums_by` (``index_add_``) does, so the bits are the same; when
+    the keys come in runs (a dump written step by step) a segmented reduction over the runs does it several times
+    faster.
+    """
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=values.device, dtype=torch.int64)
+    if n_keys == 1 or bool((key_of_seq[1:] >= key_of_seq[:-1]).all()):
+        run = torch.zeros(n_keys, dtype=torch.int64, device=values.device).index_add_(0, key_of_seq, lengths)
+        return torch.segment_reduce(values, "sum", lengths=run.expand(values.shape[0], n_keys), axis=1, unsafe=True)
+    key_of_token = torch.repeat_interleave(key_of_seq, lengths, output_size=values.shape[1])
+    return torch.zeros(values.shape[0], n_keys, dtype=torch.float64, device=values.device).index_add_(
+        1, key_of_token, values)
 
 
 def last_index(index: Tensor, mask: Tensor, n: int, position: Tensor) -> Tensor:

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_cli.core.diagnosis._common import as_float, counts_by, first_index, sums_by
+from grpo_cli.core.diagnosis._common import as_float, first_index, key_sums, sums_by
 from grpo_cli.core.keyed_state import KeyedState
-from grpo_cli.core.packing import segment_ids
+from grpo_cli.core.packing import segment_count, segment_ids, segment_sum
 from grpo_cli.core.state import Reduce
 
 __all__ = ["LAG0_SEQ_MIN_TOKENS", "by_step_compute", "by_step_state", "by_step_update"]
@@ -81,27 +81,46 @@ def by_step_update(
     st = step.to(device=device, dtype=torch.int64)
     keys, inv_seq = torch.unique(st, sorted=True, return_inverse=True)
     n_keys = keys.numel()
-    inv_tok = inv_seq.index_select(0, seq)
-
-    def tok_sum(values: Tensor) -> Tensor:
-        return sums_by(inv_tok, values, n_keys)
 
     cols = {name: torch.zeros(n_keys, dtype=torch.float64, device=device) for name in _STEP_COLUMNS}
+    per_token: dict[str, Tensor] = {}  # every per-token column summed by step, all summed by one reduction
     new = as_float(new_logp)
-    cols["n_tok"] = tok_sum(torch.ones(n, device=device))
-    cols["sum_neg_new"] = tok_sum(-new)
+    per_token["n_tok"] = torch.ones((), device=device).expand(n)
+    per_token["sum_neg_new"] = -new
     if old_logp is not None:
         diff = (new - as_float(old_logp)).abs()
-        cols["n_old"] = cols["n_tok"]
-        cols["sum_abs"] = tok_sum(diff)
+        per_token["sum_abs"] = diff
         if lag is not None:
             at0 = (lag == 0).to(torch.float64)
-            cols["n_lag0"] = tok_sum(at0)
-            cols["sum_abs_lag0"] = tok_sum(diff * at0)
-            cols["sum_exp_lag0"] = tok_sum(torch.exp(diff.to(torch.float64)) * at0)
+            per_token["n_lag0"] = at0
+            per_token["sum_abs_lag0"] = diff * at0
+            per_token["sum_exp_lag0"] = torch.exp(diff.to(torch.float64)) * at0
     if entropy is not None:
-        cols["n_ent"] = cols["n_tok"]
-        cols["sum_ent"] = tok_sum(as_float(entropy))
+        per_token["sum_ent"] = as_float(entropy)
+    if lag is not None:
+        gen = lag >= 0
+        per_token["n_lag"] = gen
+        per_token["sum_lag"] = torch.where(gen, lag, 0)
+    if prox_logp is not None:
+        per_token["sum_prox_abs"] = (new - as_float(prox_logp)).abs()
+    if ref_logp is not None:
+        for name, other in (("new", new_logp), ("old", old_logp), ("prox", prox_logp)):
+            if other is not None:
+                per_token[f"eq_ref_{name}"] = (ref_logp == other) & (ref_logp != 0)
+    if advantages is not None and base_logp is not None:
+        ratio = torch.exp(new - as_float(base_logp))
+        adv = as_float(advantages)
+        high = 1.0 + (epsilon if epsilon_high is None else epsilon_high)
+        per_token["n_clip"] = ((ratio > high) & (adv > 0)) | ((ratio < 1.0 - epsilon) & (adv < 0))
+    values = torch.empty(len(per_token), n, dtype=torch.float64, device=device)
+    for row, column in zip(values, per_token.values()):
+        row.copy_(column)
+    for name, sums in zip(per_token, key_sums(values, inv_seq, cu_seqlens, n_keys)):
+        cols[name] = sums
+    for count, source in (("n_old", "sum_abs"), ("n_ent", "sum_ent"), ("n_prox", "sum_prox_abs"),
+                          ("n_ref", "eq_ref_new"), ("n_clip_known", "n_clip")):
+        if source in per_token:
+            cols[count] = cols["n_tok"]
     seq_ones = torch.ones(n_seq, dtype=torch.float64, device=device)
     cols["n_seq"] = sums_by(inv_seq, seq_ones, n_keys)
     if rewards is not None:
@@ -112,43 +131,25 @@ def by_step_update(
         cols["n_eos_known"] = cols["n_seq"]
         no_eos = (eos.to(device) == 0).to(torch.float64)
         cols["n_no_eos"] = sums_by(inv_seq, no_eos, n_keys)
-    if lag is not None:
-        gen = lag >= 0
-        cols["n_lag"] = tok_sum(gen)
-        cols["sum_lag"] = tok_sum(torch.where(gen, lag, 0))
-        if bool(gen.any()):
-            max_lag = max_lag.scatter_reduce(0, inv_tok[gen], lag[gen].to(torch.float64), reduce="amax")
-    if prox_logp is not None:
-        cols["n_prox"] = cols["n_tok"]
-        cols["sum_prox_abs"] = tok_sum((new - as_float(prox_logp)).abs())
-    if ref_logp is not None:
-        cols["n_ref"] = cols["n_tok"]
-        for name, other in (("new", new_logp), ("old", old_logp), ("prox", prox_logp)):
-            if other is not None:
-                cols[f"eq_ref_{name}"] = tok_sum((ref_logp == other) & (ref_logp != 0))
-    if advantages is not None and base_logp is not None:
-        ratio = torch.exp(new - as_float(base_logp))
-        adv = as_float(advantages)
-        high = 1.0 + (epsilon if epsilon_high is None else epsilon_high)
-        clipped = ((ratio > high) & (adv > 0)) | ((ratio < 1.0 - epsilon) & (adv < 0))
-        cols["n_clip_known"] = cols["n_tok"]
-        cols["n_clip"] = tok_sum(clipped)
+    if lag is not None and bool(gen.any()):
+        inv_tok = inv_seq.index_select(0, seq)
+        max_lag = max_lag.scatter_reduce(0, inv_tok[gen], lag[gen].to(torch.float64), reduce="amax")
     seq_max = torch.full((n_keys,), -math.inf, dtype=torch.float64, device=device)
     if old_logp is not None and lag is not None:
         at0 = lag == 0
         d0 = torch.where(at0, (new - as_float(old_logp)).abs().to(torch.float64), 0.0)
-        s_sum = sums_by(seq, d0, n_seq)
-        s_n = counts_by(seq, at0, n_seq)
+        s_sum = segment_sum(d0, cu_seqlens, torch.float64)
+        s_n = segment_count(at0, cu_seqlens)
         ok = s_n >= LAG0_SEQ_MIN_TOKENS
         if bool(ok.any()):
             seq_max = seq_max.scatter_reduce(0, inv_seq[ok], (s_sum / s_n.clamp_min(1))[ok], reduce="amax")
     rows = torch.stack([keys.to(torch.float64), *[cols[c] for c in _STEP_COLUMNS], max_lag, seq_max], dim=1)
     state.update(s=rows)
     if old_logp is not None and lag is not None:
-        state.update(sl=_step_lag_rows(st, seq, new, as_float(old_logp), lag, n_seq))
+        state.update(sl=_step_lag_rows(st, seq, cu_seqlens, new, as_float(old_logp), lag))
 
 
-def _step_lag_rows(step: Tensor, seq: Tensor, new: Tensor, old: Tensor, lag: Tensor, n_seq: int) -> Tensor:
+def _step_lag_rows(step: Tensor, seq: Tensor, cu_seqlens: Tensor, new: Tensor, old: Tensor, lag: Tensor) -> Tensor:
     """Rows ``[key, n_tokens, Σ|Δ|, max seq mean |Δ|, step, lag]`` of the (step, lag) table: a sequence counts
     under the lag of its first generated valid token (a sequence is generated by one version in the simulator and
     in AReaL; mixed sequences take their first lag), and only with ≥ LAG0_SEQ_MIN_TOKENS such tokens."""
@@ -156,15 +157,15 @@ def _step_lag_rows(step: Tensor, seq: Tensor, new: Tensor, old: Tensor, lag: Ten
     gen = lag >= 0
     if not bool(gen.any()):
         return torch.zeros((0, 6), dtype=torch.float64, device=device)
-    n = new.numel()
+    n, n_seq = new.numel(), cu_seqlens.numel() - 1
     idx = torch.arange(n, device=device)
     first = first_index(seq, gen, n_seq, idx)
     has = first < torch.iinfo(torch.int64).max
     seq_lag = torch.where(has, lag.index_select(0, first.clamp_max(n - 1)), -1).clamp_max(_STEP_LAG_BINS - 1)
     same = gen & (lag.clamp_max(_STEP_LAG_BINS - 1) == seq_lag.index_select(0, seq))
     diff = torch.where(same, (new - old).abs().to(torch.float64), 0.0)
-    s_sum = sums_by(seq, diff, n_seq)
-    s_n = counts_by(seq, same, n_seq)
+    s_sum = segment_sum(diff, cu_seqlens, torch.float64)
+    s_n = segment_count(same, cu_seqlens)
     keep = has & (s_n > 0)
     s_mean = s_sum / s_n.clamp_min(1)
     s_max = torch.where(s_n >= LAG0_SEQ_MIN_TOKENS, s_mean, -math.inf)

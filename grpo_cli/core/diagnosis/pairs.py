@@ -88,25 +88,40 @@ def pairs_state(device: torch.device | str | None = None, top_k: int = 8) -> Met
     }, device)
 
 
-def _pair_sums(x: Tensor, y: Tensor, h: Tensor, same: Tensor, tok_block: Tensor) -> Tensor:
+def _pair_sums(x: Tensor, y: Tensor, h: Tensor, tok_block: Tensor) -> Tensor:
+    """``[N_BLOCKS, FIELDS]`` sums over same-weights tokens (training ``x``, behaviour ``y``, entropy ``h``)."""
     d = y - x
-    use = same & (d.abs() <= OUTLIER)
+    use = d.abs() <= OUTLIER
     lik = x >= LIKELY
+    # One field per row of a [FIELDS, N] buffer, summed along the tokens by one index_add_: a [N, FIELDS] stack
+    # would be a strided copy costing more than all the arithmetic. Masked tokens are exact zeros, so products of
+    # the masked columns equal the masked products bit for bit.
+    values = torch.empty(len(FIELDS), x.numel(), dtype=torch.float64, device=x.device)
     zero = torch.zeros((), dtype=torch.float64, device=x.device)
-
-    def on(mask: Tensor, v: Tensor | float = 1.0) -> Tensor:
-        return torch.where(mask, v if isinstance(v, Tensor) else torch.full_like(x, v), zero)
-
-    ad = d.abs()
-    columns = [
-        on(use), on(use, x), on(use, y), on(use, x * x), on(use, x * y), on(use, y * y),
-        on(use, h), on(use, h * h), on(use, x * h), on(use, y * h),
-        on(use & lik), on(use & lik, d), on(use & lik & (d > 0)),
-        on(use & ~lik), on(use & ~lik, d), on(use & ~lik & (d > 0)),
-        on(same), on(same, ad), on(same, torch.exp(ad)), on(same & (ad > TAIL)),
-    ]
-    values = torch.stack(columns, dim=1)
-    return torch.zeros(N_BLOCKS, len(FIELDS), dtype=torch.float64, device=x.device).index_add_(0, tok_block, values)
+    f = _F
+    values[f["n"]].copy_(use)
+    xu = torch.where(use, x, zero, out=values[f["sx"]])
+    yu = torch.where(use, y, zero, out=values[f["sy"]])
+    hu = torch.where(use, h, zero, out=values[f["sh"]])
+    torch.mul(xu, xu, out=values[f["sxx"]])
+    torch.mul(xu, yu, out=values[f["sxy"]])
+    torch.mul(yu, yu, out=values[f["syy"]])
+    torch.mul(hu, hu, out=values[f["shh"]])
+    torch.mul(xu, hu, out=values[f["sxh"]])
+    torch.mul(yu, hu, out=values[f["syh"]])
+    du = yu - xu
+    positive = d > 0
+    for mask, n_key, d_key, gt_key in ((lik, "n_lik", "d_lik", "gt_lik"), (~lik, "n_unl", "d_unl", "gt_unl")):
+        in_bin = use & mask
+        values[f[n_key]].copy_(in_bin)
+        torch.where(mask, du, zero, out=values[f[d_key]])
+        values[f[gt_key]].copy_(in_bin & positive)
+    ad = torch.abs(d, out=values[f["abs_d"]])
+    values[f["n_all"]].fill_(1.0)
+    torch.exp(ad, out=values[f["exp_abs"]])
+    values[f["n_tail"]].copy_(ad > TAIL)
+    return torch.zeros(len(FIELDS), N_BLOCKS, dtype=torch.float64, device=x.device).index_add_(
+        1, tok_block, values).T
 
 
 def pairs_update(
@@ -142,30 +157,35 @@ def pairs_update(
         return
     device = new_logp.device
     seq = segment_ids(cu_seqlens, n).to(device)
-    tok_block = block.to(device=device, dtype=torch.int64)[seq]
-    y = as_float(old_logp).to(torch.float64)
-    x_new = as_float(new_logp).to(torch.float64)
-    if lag is None:
-        gen = torch.ones(n, dtype=torch.bool, device=device)
-        same = gen
-    else:
+    n_seq = cu_seqlens.numel() - 1
+    if lag is not None:
         lag = lag.to(device)
-        gen, same = lag >= 0, lag == 0
-        state.update(n_lag_known=gen.sum())
+        state.update(n_lag_known=(lag >= 0).sum())
+    # Every statistic but the stale-sequence counts reads the same-weights tokens only: compact them once (in order,
+    # so every sum adds the same numbers in the same order as over the masked full batch).
+    picked = None if lag is None else (lag == 0).nonzero().squeeze(1)
+
+    def same_weights(column: Tensor) -> Tensor:
+        return column if picked is None else column.index_select(0, picked)
+
+    same_seq = same_weights(seq)
+    tok_block = block.to(device=device, dtype=torch.int64)[same_seq]
+    y = same_weights(as_float(old_logp)).to(torch.float64)
+    x_new = same_weights(as_float(new_logp)).to(torch.float64)
+    h = same_weights(as_float(entropy)).to(torch.float64) if entropy is not None else torch.zeros_like(y)
+    x_prox = same_weights(as_float(prox_logp)).to(torch.float64) if prox_logp is not None else None
     pair = torch.zeros(len(_PARTNERS), N_BLOCKS, len(FIELDS), dtype=torch.float64, device=device)
-    h = as_float(entropy).to(torch.float64) if entropy is not None else torch.zeros_like(y)
-    pair[0] = _pair_sums(x_new, y, h, same, tok_block)
-    if prox_logp is not None:
-        pair[1] = _pair_sums(as_float(prox_logp).to(torch.float64), y, h, same, tok_block)
+    pair[0] = _pair_sums(x_new, y, h, tok_block)
+    if x_prox is not None:
+        pair[1] = _pair_sums(x_prox, y, h, tok_block)
     state.update(pair=pair)
 
-    n_seq = cu_seqlens.numel() - 1
     # Only same-weights tokens (a policy blown up by a learning-rate spike moves stale tokens by e^5 too), and against
     # the closer of new and prox: in a second PPO epoch new_logp has moved on by an update, prox_logp has not.
-    x_retok = x_new if prox_logp is None else torch.maximum(x_new, as_float(prox_logp).to(torch.float64))
-    retok = same & (y >= math.log(RETOK_LIKELY)) & (x_retok <= y - RETOK_GAP)
-    per_seq_retok = counts_by(seq, retok, n_seq)
-    has_gen = counts_by(seq, same, n_seq) > 0
+    x_retok = x_new if x_prox is None else torch.maximum(x_new, x_prox)
+    retok = (y >= math.log(RETOK_LIKELY)) & (x_retok <= y - RETOK_GAP)
+    per_seq_retok = counts_by(same_seq, retok, n_seq)
+    has_gen = torch.bincount(same_seq, minlength=n_seq) > 0
     flags = [has_gen, per_seq_retok > 0]
     if prox_logp is not None and lag is not None:
         stale = lag >= 1
