@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One short run on a lent GPU machine (about 5 minutes on 16 cores + one H200; never past ~8): the CUDA-parametrised tests, a
+# One short run on a lent GPU machine (about 5 minutes on 16 cores + one H200; never past ~8): the Diagnoser's cost on
+# a GPU training step, the CUDA-parametrised tests, a
 # CPU-vs-GPU check of every figure on a 200 M-token dump, and the benchmark at 200 M tokens on CUDA and on the CPU.
 #
 #   OUT=/some/dir bash bench/gpu_check.sh
@@ -33,6 +34,10 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 }
 
 step env 60 bash -c "nvidia-smi; nproc; free -g; uptime; $PY -c 'import torch, pyarrow, pandas; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0), pyarrow.__version__, pandas.__version__)'"
+
+# 0. What grpo_cli.Diagnoser adds to a training step on the GPU (a tiny model's step; docs/performance.md).
+step online_cuda 90 "$PY" bench/online.py --device cuda --d-model 512 --batch 64 --length 512 --memory-steps 50 \
+  --json "$OUT/online_cuda.json"
 
 # 1. Every test parametrised by device runs its CUDA case (plus the CPU/GPU agreement test).
 step tests_cuda 180 "$PY" -m pytest -q -p no:cacheprovider -k "cuda" tests

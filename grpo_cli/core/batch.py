@@ -152,13 +152,22 @@ class TokenBatch:
         return torch.stack([torch.full_like(rows, self.file_index), rows], dim=1)
 
     def select_sequences(self, keep: Tensor) -> TokenBatch:
-        """The batch restricted to the sequences where ``keep`` (``[B]`` bool) is True."""
+        """The batch restricted to the sequences where ``keep`` (``[B]`` bool) is True, or to the sequences
+        ``keep`` (``[K]`` int64 indices) in that order."""
         lengths = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
-        token_keep = torch.repeat_interleave(keep, lengths, output_size=self.n_tokens)
-        # One nonzero() and index_select per column: boolean indexing would redo the nonzero for every column
-        # and gathers through a slower kernel.
-        tokens = torch.nonzero(token_keep).flatten()
-        sequences = torch.nonzero(keep).flatten()
+        if keep.dtype == torch.bool:
+            token_keep = torch.repeat_interleave(keep, lengths, output_size=self.n_tokens)
+            # One nonzero() and index_select per column: boolean indexing would redo the nonzero for every column
+            # and gathers through a slower kernel.
+            tokens = torch.nonzero(token_keep).flatten()
+            sequences = torch.nonzero(keep).flatten()
+        else:
+            sequences = keep
+            kept = lengths.index_select(0, sequences)
+            total = int(kept.sum())
+            # token j of the k-th kept sequence sits at cu[sequences[k]] + j
+            shift = self.cu_seqlens[:-1].index_select(0, sequences) - (torch.cumsum(kept, 0) - kept)
+            tokens = torch.arange(total, device=self.device) + torch.repeat_interleave(shift, kept, output_size=total)
         changes: dict[str, Any] = {}  # Tensor | None per column (Any: dataclasses.replace types each field)
         for name in (*PER_TOKEN_COLUMNS, "loss_mask", "positions"):
             value = getattr(self, name)
@@ -166,7 +175,25 @@ class TokenBatch:
         for name in (*PER_SEQUENCE_COLUMNS, "rows", "group_key"):
             value = getattr(self, name)
             changes[name] = None if value is None else value.index_select(0, sequences)
-        return replace(self, cu_seqlens=cu_seqlens_from_lengths(lengths[keep]), **changes)
+        return replace(self, cu_seqlens=cu_seqlens_from_lengths(lengths.index_select(0, sequences)), **changes)
+
+    def sequence_range(self, start: int, stop: int) -> TokenBatch:
+        """Sequences ``start … stop − 1`` as views of this batch's tensors (no copy), their valid view likewise when
+        this batch's is already built: ``select_sequences`` of a contiguous run, without gathering."""
+        cu = self.cu_seqlens
+        first, last = int(cu[start]), int(cu[stop])
+        changes: dict[str, Any] = {}  # Tensor | None per column (Any: dataclasses.replace types each field)
+        for name in (*PER_TOKEN_COLUMNS, "loss_mask", "positions"):
+            value = getattr(self, name)
+            changes[name] = None if value is None else value[first:last]
+        for name in (*PER_SEQUENCE_COLUMNS, "rows", "group_key"):
+            value = getattr(self, name)
+            changes[name] = None if value is None else value[start:stop]
+        part = replace(self, cu_seqlens=cu[start:stop + 1] - cu[start], **changes)
+        valid = self.memo().get("valid")
+        if valid is not None:
+            part.memo()["valid"] = valid.sequence_range(start, stop)
+        return part
 
     def valid(self) -> TokenBatch:
         """The batch restricted to loss-mask tokens (sequences kept, possibly empty), with ``positions`` set.

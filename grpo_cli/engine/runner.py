@@ -183,12 +183,21 @@ def _update_batch(
     else:
         keys = getattr(batch, cast(str, config.group_by))  # not None: the caller checked group_by
     keyed = per_key(groups)
-    for key in torch.unique(keys).tolist():
+    # One gather puts each key's sequences together (none when the dump is written key by key, as steps are); every
+    # key's sub-batch is then a run of views, and its valid view a run of the sorted batch's.
+    if bool((keys[1:] < keys[:-1]).any()):
+        order = torch.argsort(keys, stable=True)
+        batch, keys = batch.select_sequences(order), keys.index_select(0, order)
+    batch.valid()
+    values, counts = torch.unique_consecutive(keys, return_counts=True)
+    start = 0
+    for key, count in zip(values.tolist(), counts.tolist()):
         if key not in acc.by_key:
             if len(acc.by_key) >= config.max_groups:
                 raise UsageError(f"--group-by {config.group_by}: more than {config.max_groups} distinct values")
             acc.by_key[key] = [group.init_state(config, device) for group in keyed]
-        runner.update(keyed, acc.by_key[key], batch.select_sequences(keys == key), config)
+        runner.update(keyed, acc.by_key[key], batch.sequence_range(start, start + count), config)
+        start += count
 
 
 def _blocks(config: StreamConfig) -> int:
