@@ -16,6 +16,7 @@ trainer's 1.0 (GRP102), or behaviour log-probs one token late (GRP101).
 from __future__ import annotations
 
 import re
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,14 @@ def apply_diff(code: str, diff: str) -> str:
             out.append(text)
         i += 1
     return "\n".join(out + src[i:]) + "\n"
+
+
+def new_side(diff: str) -> str:
+    """What a diff of a framework's own file (not printed on the page) leaves at the place it names: its context and
+    ``+`` lines, dedented."""
+    lines = [line[1:] for line in diff.splitlines() if line[:1] in " +" and line.strip()]
+    assert not any(line.strip() == "..." for line in lines), "a diff with '...' needs the block it applies to"
+    return textwrap.dedent("\n".join(lines)) + "\n"
 
 
 def online_code(page: Path, block: str) -> str:
