@@ -26,6 +26,7 @@ import pytest
 import torch
 from _peer_wheels import framework_modules, unpacked_wheel
 from dump_columns import f32, read_columns
+from online_recipe import FAULTS, behaviour, check, online_code, record_feeds
 
 pytestmark = pytest.mark.integration
 
@@ -87,17 +88,20 @@ def areal_modules() -> Iterator[dict[str, Any]]:
         yield {"actor": actor, "data": data, "functional": functional, "cli_args": cli_args}
 
 
-def _install_recipe(actor: Any, monkeypatch: pytest.MonkeyPatch, dump: Path) -> types.ModuleType:
-    """Execute the recipe's block as the module ``grpo_dump_areal`` of one training process; ``monkeypatch`` puts
-    AReaL's own ``_ppo_update`` and ``grpo_loss_fn`` back afterwards."""
+def _install_recipe(actor: Any, monkeypatch: pytest.MonkeyPatch, dump: Path,
+                    online: bool = False) -> types.ModuleType:
+    """Execute the recipe's block as the module ``grpo_dump_areal`` of one training process (``online``: with the
+    page's Diagnoser diff applied and the README's helper in the module); ``monkeypatch`` puts AReaL's own
+    ``_ppo_update`` and ``grpo_loss_fn`` back afterwards."""
     blocks = re.findall(r"```python\n(.*?)```", RECIPE.read_text(), flags=re.S)
     assert len(blocks) == 1, "areal.md: one hook module"
+    code = online_code(RECIPE, blocks[0]) if online else blocks[0]
     monkeypatch.setattr(actor.PPOActor, "_ppo_update", actor.PPOActor._ppo_update)
     monkeypatch.setattr(actor, "grpo_loss_fn", actor.grpo_loss_fn)
     monkeypatch.setenv("GRPO_DUMP_DIR", str(dump))
     hook = types.ModuleType("grpo_dump_areal")
     monkeypatch.setitem(sys.modules, "grpo_dump_areal", hook)
-    exec(compile(blocks[0], str(RECIPE), "exec"), hook.__dict__)
+    exec(compile(code, str(RECIPE), "exec"), hook.__dict__)
     return hook
 
 
@@ -115,9 +119,14 @@ def _next_token(row: list[float]) -> torch.Tensor:
     return torch.tensor([[*row[1:], 9.0]])
 
 
-def _rollout_batch(recompute: bool) -> list[dict[str, torch.Tensor]]:
+def _rollout_batch(recompute: bool, trajectories: list[Any] = TRAJECTORIES, prox: Any = None,
+                   ref: Any = None) -> list[dict[str, torch.Tensor]]:
+    """RLVRWorkflow's trajectories; ``prox(i)`` and ``ref(i)`` give trajectory ``i``'s token-aligned proximal and
+    reference log-probs (default: distinct known values)."""
+    prox = prox or (lambda i: _truth(i, -0.01))
+    ref = ref or (lambda i: _truth(i, -0.02))
     batch = []
-    for i, (prompt, response, behave, versions, reward) in enumerate(TRAJECTORIES):
+    for i, (prompt, response, behave, versions, reward) in enumerate(trajectories):
         seq = prompt + response
         traj = {  # RLVRWorkflow.arun_episode's dict, [1, L] each
             "input_ids": torch.tensor([seq], dtype=torch.int32),
@@ -127,9 +136,9 @@ def _rollout_batch(recompute: bool) -> list[dict[str, torch.Tensor]]:
             "attention_mask": torch.ones(1, len(seq), dtype=torch.bool),
             "rewards": torch.tensor([reward], dtype=torch.float32),
         }
-        traj["ref_logp"] = _next_token(_truth(i, -0.02))  # rl_trainer: traj["ref_logp"] = ref.compute_logp(...)
+        traj["ref_logp"] = _next_token(ref(i))  # rl_trainer: traj["ref_logp"] = ref.compute_logp(...)
         if recompute:  # rl_trainer: traj["prox_logp"] = actor.compute_logp(...)
-            traj["prox_logp"] = _next_token(_truth(i, -0.01))
+            traj["prox_logp"] = _next_token(prox(i))
         batch.append(traj)
     return batch
 
@@ -138,18 +147,20 @@ MODES = {  # (use_decoupled_loss, recompute_logprob)
     "decoupled": (True, True), "behaviour": (False, False), "recompute_without_decoupled": (False, True)}
 
 
-def _train_step(modules: dict[str, Any], mode: str) -> FSDPEngineDataPath:
+def _train_step(modules: dict[str, Any], mode: str, batch: list[dict[str, torch.Tensor]] | None = None,
+                max_tokens_per_mb: int = 8) -> FSDPEngineDataPath:
     """One step as ``PPOTrainer.train`` runs it on a training process: advantages, then the PPO update."""
     decoupled, recompute = MODES[mode]
     cli_args = modules["cli_args"]
     config = cli_args.PPOActorConfig(
         experiment_name="e", trial_name="t", path="p", ppo_n_minibatches=2, adv_norm=None, kl_ctl=0.0,
         use_decoupled_loss=decoupled, recompute_logprob=recompute,
-        mb_spec=cli_args.MicroBatchSpec(max_tokens_per_mb=8),  # several packed micro-batches per mini-batch
+        # several packed micro-batches per mini-batch
+        mb_spec=cli_args.MicroBatchSpec(max_tokens_per_mb=max_tokens_per_mb),
     )
     engine = FSDPEngineDataPath(modules["data"], modules["functional"], TABLE, config.mb_spec)
     ppo_actor = modules["actor"].PPOActor(config, engine)
-    adv_batch = ppo_actor.compute_advantages(_rollout_batch(recompute))  # AReaL's rolls, masks and GAE
+    adv_batch = ppo_actor.compute_advantages(batch or _rollout_batch(recompute))  # AReaL's rolls, masks and GAE
     ppo_actor.ppo_update(adv_batch)  # the recipe's _ppo_update wrapper, then grpo_loss_fn per micro-batch
     return engine
 
@@ -210,3 +221,48 @@ def test_areal_recipe_ids_unique_across_ranks(areal_modules: dict[str, Any], tmp
     keys = list(zip(got["step"], got["seq_id"]))
     assert len(keys) == 2 * len(TRAJECTORIES)
     assert len(set(keys)) == len(keys), "seq_id repeats across ranks"
+
+
+def _sampled(fault: str | None, n: int = 24) -> list[tuple[list[int], list[int], list[float], list[int], float]]:
+    """``n`` trajectories an engine sampled from :data:`TABLE` (healthy, or with ``fault``): most tokens generated by
+    the current version, some one version before."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(0, VOCAB, (2 + i % 3,), generator=g).tolist()
+        response, behave = behaviour(TABLE, prompt, 6 + i % 5, fault, g)
+        versions = [CURRENT_VERSION - (t < 2 and i % 4 == 0) for t in range(len(response))]
+        out.append((prompt, response, behave, versions, float(i % 3 - 1)))
+    return out
+
+
+def _forward(table: torch.Tensor, trajectory: tuple[Any, ...]) -> list[float]:
+    """Token-aligned log-probs of a float32 forward of ``table`` over a trajectory (token 0 has no predecessor)."""
+    prompt, response, *_ = trajectory
+    logp = torch.log_softmax(table, dim=-1)
+    return [0.0] + [float(logp[a, b]) for a, b in itertools.pairwise(prompt + response)]
+
+
+@pytest.mark.parametrize("mode", ["decoupled", "behaviour"])
+@pytest.mark.parametrize("fault", [None, *FAULTS])
+def test_areal_recipe_findings_while_training(areal_modules: dict[str, Any], mode: str, fault: str | None,
+                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # The page's Diagnoser call (areal.md, "Findings while training") inside the same hook, on AReaL's packed,
+    # reordered, next-token-aligned micro-batches: a fault is named, a healthy step is quiet, and the findings are
+    # analyze's on the dump the same hook wrote.
+    hook = _install_recipe(areal_modules["actor"], monkeypatch, tmp_path / "dump", online=True)
+    feeds = record_feeds(hook)
+    trajectories = _sampled(fault)
+    # the proximal recompute: the actor's own weights (TABLE); the reference: another model
+    batch = _rollout_batch(MODES[mode][1], trajectories, prox=lambda i: _forward(TABLE, trajectories[i]),
+                           ref=lambda i: _forward(TABLE * 0.8, trajectories[i]))
+    engine = _train_step(areal_modules, mode, batch, max_tokens_per_mb=48)
+    assert engine.micro_batches >= 4
+    hook._get_writer().close()
+    hook.diagnoser.step_end(hook._open_step)  # the page: once more after the last step
+    assert hook._open_step == CURRENT_VERSION
+    # every trajectory fed once (one feed per micro-batch), with its row id, at AReaL's version
+    fed = sorted(int(i) for call in feeds for i in call["seq_id"])
+    assert len(feeds) == engine.micro_batches and {call["step"] for call in feeds} == {CURRENT_VERSION}
+    assert len(fed) == len(set(fed)) == len(trajectories)
+    check(hook.diagnoser, tmp_path / "dump", fault)

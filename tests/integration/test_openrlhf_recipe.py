@@ -25,6 +25,9 @@ from typing import Any
 import pytest
 import torch
 from dump_columns import f32s, read_columns
+from online_recipe import FAULTS, behaviour, check, online_code, record_feeds
+
+from grpo_cli.io import RolloutWriter
 
 pytestmark = pytest.mark.integration
 
@@ -52,8 +55,8 @@ def openrlhf_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class ActorPPOTrainer:
     """0.11.2's ``ActorPPOTrainer`` call signatures (``openrlhf/trainer/ray/ppo_actor.py``), nothing else."""
 
-    def __init__(self, experiences: list[Any], new_logps: list[torch.Tensor]) -> None:
-        self.experiences, self.new_logps = experiences, new_logps
+    def __init__(self, experiences: list[Any], new_logps: list[torch.Tensor], max_epochs: int = 1) -> None:
+        self.experiences, self.new_logps, self.max_epochs = experiences, new_logps, max_epochs
         self.actor_loss_fn = self._policy_loss
         self.losses: list[tuple[torch.Tensor, ...]] = []
 
@@ -64,8 +67,9 @@ class ActorPPOTrainer:
         return zero, zero, zero, None, None
 
     def ppo_train(self, kl_ctl: float) -> None:
-        for step, experience in enumerate(self.experiences):
-            self.training_step(experience, kl_ctl, step, {"loss_scale": 1.0})  # ppo_actor.py: ppo_train
+        for _ in range(self.max_epochs):  # ppo_actor.py: ppo_train numbers the micro-batches from 0 in every epoch
+            for step, experience in enumerate(self.experiences):
+                self.training_step(experience, kl_ctl, step, {"loss_scale": 1.0})
 
     def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
         new = self.new_logps[step]  # self.actor(sequences, action_mask, ...) in OpenRLHF
@@ -75,8 +79,11 @@ class ActorPPOTrainer:
         return {}
 
 
-@pytest.fixture
-def openrlhf(openrlhf_root: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+@pytest.fixture(params=[False], ids=["dump"])
+def openrlhf(openrlhf_root: Path, monkeypatch: pytest.MonkeyPatch,
+             request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """OpenRLHF's modules, the recipe's block installed (``request.param``: with the page's Diagnoser diff applied
+    and the README's helper in the module)."""
     saved = {k: v for k, v in sys.modules.items() if k.startswith(("openrlhf", "grpo_dump_openrlhf"))}
     for name in list(saved):
         del sys.modules[name]
@@ -98,7 +105,8 @@ def openrlhf(openrlhf_root: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[d
         assert len(blocks) == 1
         hook = types.ModuleType("grpo_dump_openrlhf")
         sys.modules["grpo_dump_openrlhf"] = hook
-        exec(compile(blocks[0], str(RECIPE), "exec"), hook.__dict__)
+        code = online_code(RECIPE, blocks[0]) if request.param else blocks[0]
+        exec(compile(code, str(RECIPE), "exec"), hook.__dict__)
         hook.install()
         yield {"Experience": experience.Experience, "Trainer": ppo_actor.ActorPPOTrainer, "hook": hook}
     finally:
@@ -163,3 +171,59 @@ def test_openrlhf_recipe_on_openrlhf_experience(openrlhf: dict[str, Any], tmp_pa
     assert got["loss_mask"] == [[False] * len(p) + [True] * len(r) for p, r, _ in samples] * 2
     assert got["seq_id"] == [40, 41, 40, 41]
     assert got["step"] == [0, 0, 1, 1]
+
+
+VOCAB = 11
+TABLE = torch.linspace(-2.0, 2.0, VOCAB * VOCAB).reshape(VOCAB, VOCAB).sin() * 3.0  # the model's logits
+
+
+def _sampled(fault: str | None, n: int = 24) -> list[tuple[list[int], list[int], dict[str, list[float]]]]:
+    """``n`` samples an engine drew from :data:`TABLE` (healthy, or with ``fault``), with token-aligned values of the
+    response tokens: the training forward and the actor's recompute (``TABLE``, float32), the engine's log-probs,
+    a reference model's (another table) and group-normalised advantages (groups of 4)."""
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(0, VOCAB, (2 + i % 3,), generator=g).tolist()
+        response, engine = behaviour(TABLE, prompt, 4 + i % 6, fault, g)
+        seq = prompt + response
+
+        def scored(table: torch.Tensor, seq: list[int] = seq, p: int = len(prompt)) -> list[float]:
+            logp = torch.log_softmax(table, dim=-1)
+            return [float(logp[a, b]) for a, b in zip(seq[p - 1:-1], seq[p:])]
+
+        new = scored(TABLE)
+        adv = [-1.5, -0.5, 0.5, 1.5][(i * 3) % 4]
+        out.append((prompt, response, {"new": new, "prox": new, "old": engine, "ref": scored(TABLE * 0.8),
+                                       "adv": [adv] * len(response)}))
+    return out
+
+
+@pytest.mark.parametrize("openrlhf", [True], ids=["online"], indirect=True)
+@pytest.mark.parametrize("fault", [None, *FAULTS])
+def test_openrlhf_recipe_findings_while_training(openrlhf: dict[str, Any], fault: str | None, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch):
+    # The page's Diagnoser call (openrlhf.md, "Findings while training") in the recipe's actor_loss_fn, on
+    # OpenRLHF's batched Experience (A = T - 1 next-token slots, right padding), over two PPO epochs.
+    monkeypatch.setenv("GRPO_DUMP_DIR", str(tmp_path / "dump"))
+    hook = openrlhf["hook"]
+    # The page: with max_epochs > 1, give the writer dedupe=True (its dump then holds the first epoch)
+    monkeypatch.setattr(hook, "RolloutWriter", lambda *a, **k: RolloutWriter(*a, dedupe=True, **k))
+    feeds = record_feeds(hook)
+    Experience = openrlhf["Experience"]
+    samples = _sampled(fault)
+    experiences, new_logps = [], []
+    for start in range(0, len(samples), 4):  # micro-batches of 4, batched by OpenRLHF's own concat
+        built = [_sample(Experience, p, r, v, index=start + k) for k, (p, r, v) in enumerate(samples[start:start + 4])]
+        batch = Experience.concat_experiences([e for e, _ in built], pad_token_id=0)
+        width = batch.action_mask.shape[1]
+        experiences.append(batch)
+        new_logps.append(torch.cat([torch.nn.functional.pad(n, (0, width - n.shape[1])) for _, n in built]))
+    trainer = openrlhf["Trainer"](experiences, new_logps, max_epochs=2)
+    trainer.ppo_train(0.0)
+    assert len(trainer.losses) == 2 * len(experiences)  # OpenRLHF's loss ran in both epochs
+    trainer._grpo_writer.close()
+    hook.diagnoser.step_end(hook._open_step)  # the page: once more after the last step
+    fed = sorted(int(i) for call in feeds for i in call["seq_id"])
+    assert fed == list(range(len(samples))) and {call["step"] for call in feeds} == {0}  # the first epoch only
+    check(hook.diagnoser, tmp_path / "dump", fault)

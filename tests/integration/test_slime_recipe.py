@@ -28,7 +28,7 @@ import re
 import shlex
 import sys
 from argparse import Namespace
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ import pytest
 import torch
 from _peer_wheels import FORCED_STUBS, _StubLoader, framework_modules
 from dump_columns import f32, read_columns
+from online_recipe import FAULTS, behaviour, check, new_side, page_diff, readme_helper
 
 from grpo_cli.cli import main
 
@@ -159,13 +160,18 @@ def _recompute(position: int, length: int) -> list[float]:
     return [-(position + 1) / 8 - t / 64 for t in range(length)]
 
 
-def _run_slime(slime: dict[str, Any], args: Namespace, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+def _run_slime(slime: dict[str, Any], args: Namespace, monkeypatch: pytest.MonkeyPatch,
+               rollout: list[tuple[Any, ...]] = SAMPLES, recompute: Callable[[int, int], list[float]] = _recompute,
+               train_end: Callable[[dict[str, Any]], None] | None = None) -> list[Any]:
+    """One rollout (``rollout``: :data:`SAMPLES`' tuples) through slime's code to both debug dumps; ``recompute``
+    gives the actor's log-probs of the sample at a rollout position; ``train_end(rollout_data)`` replaces each
+    rank's ``save_debug_train_data`` call (the end of the actor's training step)."""
     Sample = slime["types"].Sample
     samples = []
-    for i, (prompt, response, reward, mask, logps, version) in enumerate(SAMPLES):
-        samples.append(Sample(group_index=i // 2, index=i, prompt="p", tokens=prompt + response,
-                              response_length=len(response), reward=reward, loss_mask=list(mask),
-                              rollout_log_probs=list(logps), weight_versions=["0", version],
+    for i, (prompt, response, reward, mask, logps, version) in enumerate(rollout):
+        samples.append(Sample(group_index=i // args.n_samples_per_prompt, index=i, prompt="p",
+                              tokens=prompt + response, response_length=len(response), reward=reward,
+                              loss_mask=list(mask), rollout_log_probs=list(logps), weight_versions=["0", version],
                               status=Sample.Status.COMPLETED))
     manager = slime["rollout"].RolloutManager.__new__(slime["rollout"].RolloutManager)
     manager.args = args
@@ -191,11 +197,14 @@ def _run_slime(slime: dict[str, Any], args: Namespace, monkeypatch: pytest.Monke
         _RANK["dp"] = dp_rank
         rollout_data = slime["data"].process_rollout_data(args, refs, dp_rank, 2)
         lengths = rollout_data["response_lengths"]
-        rollout_data["log_probs"] = [torch.tensor(_recompute(p, n)) for p, n in
+        rollout_data["log_probs"] = [torch.tensor(recompute(p, n)) for p, n in
                                      zip(rollout_data["partition"], lengths)]
         rollout_data["ref_log_probs"] = [x - 0.03125 for x in rollout_data["log_probs"]]
         slime["loss"].compute_advantages_and_returns(args, rollout_data)
-        slime["dump"].save_debug_train_data(args, rollout_id=ROLLOUT_ID, rollout_data=rollout_data)
+        if train_end is None:
+            slime["dump"].save_debug_train_data(args, rollout_id=ROLLOUT_ID, rollout_data=rollout_data)
+        else:
+            train_end(rollout_data)
     return samples
 
 
@@ -253,3 +262,68 @@ def test_recipe_dump_roundtrip(slime: dict[str, Any], tmp_path: Path, monkeypatc
     for got, want, s in zip(out["advantages"], expected_adv, SAMPLES):
         np.testing.assert_allclose(got, [want] * len(s[1]), rtol=1e-6, atol=1e-6)
     assert "prox_logp" not in out and "entropy" not in out
+
+
+VOCAB = 11
+TABLE = torch.linspace(-2.0, 2.0, VOCAB * VOCAB).reshape(VOCAB, VOCAB).sin() * 3.0  # the model's logits
+PROMPTS, N_SAMPLES = 6, 4
+
+
+def _sampled(fault: str | None) -> list[tuple[Any, ...]]:
+    """A rollout of :data:`PROMPTS` x :data:`N_SAMPLES` samples an engine drew from :data:`TABLE` (healthy, or with
+    ``fault``), as :data:`SAMPLES`' tuples; every group's rewards differ."""
+    g = torch.Generator().manual_seed(17)
+    out = []
+    for group in range(PROMPTS):
+        prompt = torch.randint(0, VOCAB, (2 + group % 3,), generator=g).tolist()
+        for k in range(N_SAMPLES):
+            response, logps = behaviour(TABLE, prompt, 4 + (group + k) % 6, fault, g)
+            reward = [0.0, 1.0, 0.5, 1.0][(group + k) % N_SAMPLES]
+            out.append((prompt, response, reward, [1] * len(response), logps, "3"))
+    return out
+
+
+def _table_recompute(rollout: list[tuple[Any, ...]]) -> Callable[[int, int], list[float]]:
+    """The actor's recompute: the float32 log-probs :data:`TABLE` gives the response tokens of each sample."""
+    logp = torch.log_softmax(TABLE, dim=-1)
+
+    def recompute(position: int, length: int) -> list[float]:
+        prompt, response, *_ = rollout[position]
+        seq = prompt + response
+        return [float(logp[a, b]) for a, b in zip(seq[len(prompt) - 1:-1], seq[len(prompt):])]
+    return recompute
+
+
+@pytest.mark.parametrize("fault", [None, *FAULTS])
+def test_recipe_findings_while_training(slime: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str], fault: str | None) -> None:
+    # The page's "Findings while training" lines (slime.md) at the end of each DP rank's training step, on the
+    # rollout_data slime's own code built (the context line is the actor's save_debug_train_data call, run too);
+    # the README's helper is the module they run in. The two ranks run in one process, so one Diagnoser takes both
+    # shards of the step, as the all-reduce over the data-parallel group would.
+    root = tmp_path / "run1"
+    args = _args(_doc_flags(), root)
+    args.n_samples_per_prompt, args.rollout_batch_size, args.global_batch_size = N_SAMPLES, PROMPTS, PROMPTS * N_SAMPLES
+    module: dict[str, Any] = {"__name__": "grpo_diagnose_slime"}
+    exec(compile(readme_helper(), "README.md", "exec"), module)
+    train_end = compile(new_side(page_diff(RECIPE)), str(RECIPE), "exec")
+    fed: list[int] = []
+    inner = module["diagnose"]
+
+    def diagnose(step: int, **columns: Any) -> None:  # the same helper, recording which samples reached it
+        fed.extend(int(i) for i in columns["seq_id"])
+        inner(step, **columns)
+
+    module["diagnose"] = diagnose
+    # what the lines see in the actor: its module's imports and train_actor's locals
+    actor = {"train_dump_utils": slime["dump"], "mpu": sys.modules["megatron.core"].mpu, "torch": torch,
+             "self": Namespace(args=args), "rollout_id": ROLLOUT_ID}
+    rollout = _sampled(fault)
+    _run_slime(slime, args, monkeypatch, rollout, _table_recompute(rollout),
+               train_end=lambda rollout_data: exec(train_end, {**module, **actor, "rollout_data": rollout_data}))
+    diagnoser = module["diagnoser"]
+    diagnoser.step_end(module["_open_step"])  # the page: once more after the last step
+    assert sorted(fed) == list(range(len(rollout)))  # both ranks' samples, each once
+    argv = [a.replace(DOC_ROOT, str(root)) for a in _doc_convert_commands()[0]]
+    assert main(argv) == 0, capsys.readouterr().err
+    check(diagnoser, Path(argv[argv.index("-o") + 1]), fault)

@@ -26,6 +26,7 @@ import pytest
 import torch
 from _peer_wheels import STUBS, framework_modules, unpacked_wheel
 from dump_columns import f32, read_columns
+from online_recipe import FAULTS, behaviour, check, online_code, record_feeds
 
 pytestmark = pytest.mark.integration
 
@@ -101,14 +102,18 @@ def _encode(template: Any, prompt: list[int], response: list[int]) -> dict[str, 
     return rolled
 
 
-@pytest.fixture
-def recipe(twinkle_modules: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+@pytest.fixture(params=[False], ids=["dump"])
+def recipe(twinkle_modules: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+           request: pytest.FixtureRequest) -> types.ModuleType:
+    """The recipe's metric module (``request.param``: with the page's Diagnoser diff applied and the README's helper
+    in the module)."""
     blocks = re.findall(r"```python\n(.*?)```", RECIPE.read_text(), flags=re.S)
     assert len(blocks) == 1, "twinkle.md: one metric module"
     monkeypatch.setenv("GRPO_DUMP_DIR", str(tmp_path / "dump"))
     hook = types.ModuleType("grpo_dump_twinkle")
     monkeypatch.setitem(sys.modules, "grpo_dump_twinkle", hook)
-    exec(compile(blocks[0], str(RECIPE), "exec"), hook.__dict__)
+    code = online_code(RECIPE, blocks[0]) if request.param else blocks[0]
+    exec(compile(code, str(RECIPE), "exec"), hook.__dict__)
     return hook
 
 
@@ -141,24 +146,35 @@ def _kwargs(batch: list[tuple[Any, ...]], forms: dict[str, Any], width: int) -> 
     return kwargs
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
-def test_twinkle_recipe_on_twinkle_training_path(twinkle_modules: dict[str, Any], recipe: types.ModuleType,
-                                                 tmp_path: Path, accumulation: int):
-    table = torch.linspace(-2.0, 2.0, VOCAB * VOCAB).reshape(VOCAB, VOCAB).cos() * 2.5
-    model = _model(twinkle_modules, table)
+TABLE = torch.linspace(-2.0, 2.0, VOCAB * VOCAB).reshape(VOCAB, VOCAB).cos() * 2.5  # the model's logits
+
+
+def _train(twinkle_modules: dict[str, Any], recipe: types.ModuleType, micro_batches: list[Any],
+           accumulation: int) -> list[int]:
+    """twinkle's GRPO cookbook loop, one ``forward_backward`` per micro-batch, with the recipe's metric added;
+    returns each sample's expected ``step`` (the updates applied before its forward)."""
+    model = _model(twinkle_modules, TABLE)
     model.add_metric(recipe.DumpRollouts, is_training=True)
     group = model.optimizer_group["default"]
     optimizer_steps, expected_steps = 0, []
-    for batch, forms in MICRO_BATCHES:  # twinkle's GRPO cookbook loop: one forward_backward per micro-batch
+    for batch, forms in micro_batches:
         inputs = [_encode(twinkle_modules["template"], p, r) for p, r, _, _ in batch]
         width = max(len(p) + len(r) for p, r, _, _ in batch)
         model.forward_backward(inputs=inputs, gradient_accumulation_steps=accumulation,
                                **_kwargs(batch, forms, width))
-        expected_steps += [optimizer_steps] * len(batch)  # the updates applied before this forward
+        expected_steps += [optimizer_steps] * len(batch)
         if group.do_grad_sync(accumulation):  # twinkle's own rule for when clip_grad_and_step updates
             optimizer_steps += 1
     model.calculate_metric(is_training=True)  # accumulates the last micro-batch, then calculate() flushes
     group.train_status.metrics[-1].writer.close()
+    return expected_steps
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_twinkle_recipe_on_twinkle_training_path(twinkle_modules: dict[str, Any], recipe: types.ModuleType,
+                                                 tmp_path: Path, accumulation: int):
+    table = TABLE
+    expected_steps = _train(twinkle_modules, recipe, MICRO_BATCHES, accumulation)
 
     logp = torch.log_softmax(table.double(), dim=-1)  # float64 reference: logp[a, b] = log p(next = b | a)
     entropy_of = -(logp.exp() * logp).sum(-1)
@@ -181,3 +197,31 @@ def test_twinkle_recipe_on_twinkle_training_path(twinkle_modules: dict[str, Any]
         ent = [float(entropy_of[a]) for a in seq[:-1]]
         assert on_mask("entropy") == pytest.approx(ent[len(prompt) - 1:], abs=1e-5)
         assert on_mask("ref_logp") == f32(_ref_truth(seq)[len(prompt):])
+
+
+def _sampled(fault: str | None, n: int = 24) -> list[Any]:
+    """Micro-batches of 4 samples an engine drew from :data:`TABLE` (healthy, or with ``fault``), the keyword forms
+    cycling through :data:`MICRO_BATCHES`' (every form ``GRPOLoss._pad_and_align_to_batch`` reads)."""
+    g = torch.Generator().manual_seed(13)
+    samples = []
+    for i in range(n):
+        prompt = torch.randint(0, VOCAB, (1 + i % 3,), generator=g).tolist()
+        response, logps = behaviour(TABLE, prompt, 3 + i % 5, fault, g)
+        samples.append((prompt, response, logps, [-1.5, -0.5, 0.5, 1.5][(i * 3) % 4]))
+    return [(samples[k:k + 4], MICRO_BATCHES[(k // 4) % len(MICRO_BATCHES)][1]) for k in range(0, n, 4)]
+
+
+@pytest.mark.parametrize("recipe", [True], ids=["online"], indirect=True)
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("fault", [None, *FAULTS])
+def test_twinkle_recipe_findings_while_training(twinkle_modules: dict[str, Any], recipe: types.ModuleType,
+                                                tmp_path: Path, accumulation: int, fault: str | None):
+    # The page's Diagnoser call (twinkle.md, "Findings while training") in the metric's accumulate, on what
+    # twinkle's training path hands it (next-token aligned [B, T], old_logps/advantages in every form the loss
+    # reads); each optimizer step is a Diagnoser step, ended by the README helper when the next begins.
+    feeds = record_feeds(recipe)
+    micro_batches = _sampled(fault)
+    expected_steps = _train(twinkle_modules, recipe, micro_batches, accumulation)
+    recipe.diagnoser.step_end(recipe._open_step)  # the page: once more after the last step
+    assert [call["step"] for call in feeds for _ in range(call["new_logp"].shape[0])] == expected_steps
+    check(recipe.diagnoser, tmp_path / "dump", fault)
