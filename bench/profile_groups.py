@@ -2,6 +2,7 @@
 
     python bench/profile_groups.py bench/out/synthetic-20000000.parquet            # 6 M tokens, 3 passes
     python bench/profile_groups.py DUMP --tokens 2e6 --batch-tokens 1048576 --ops  # plus torch's top operators
+    python bench/profile_groups.py DUMP --only diag/by_step --ops                  # one group's operators
 
 Reads about ``--tokens`` tokens into memory once (decoding is not timed), validates each batch, then times every
 group's ``update`` with ``time.process_time`` (CPU time: far steadier than wall time on a shared machine) on one
@@ -24,6 +25,7 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--ops", action="store_true")
     parser.add_argument("--no-findings", action="store_true", help="leave out the findings' statistics groups")
+    parser.add_argument("--only", default=None, help="comma-separated group names: time (and --ops) these alone")
     args = parser.parse_args()
 
     from grpo_cli.engine.validate import BatchValidator
@@ -36,6 +38,8 @@ def main() -> None:
     dataset = RolloutDataset([args.dump])
     config = AnalyzeConfig(batch_tokens=batch_tokens)
     groups = default_groups() + ([] if args.no_findings else diagnosis_groups())
+    if args.only:
+        groups = [group for group in groups if group.name in args.only.split(",")]
     columns = {"loss_mask"}.union(*(group.columns() for group in groups))
     batches, n = [], 0
     for batch in dataset.iter_batches(columns=columns, raw_mask=True, batch_tokens=batch_tokens):

@@ -19,8 +19,9 @@ import torch
 from grpo_cli.core import histogram as H
 from grpo_cli.core.actor_stats import actor_stats_state, actor_stats_update
 from grpo_cli.core.batch import TokenBatch
+from grpo_cli.core.diagnosis._common import key_sums
 from grpo_cli.core.grpo_family import GRPO_VARIANTS, grpo_family_loss_terms, grpo_family_valid_terms
-from grpo_cli.core.packing import cu_seqlens_from_lengths, segment_ids, segment_sum
+from grpo_cli.core.packing import cu_seqlens_from_lengths, segment_ids, segment_span, segment_sum
 from grpo_cli.core.staleness import lag_bin_sums
 from grpo_cli.engine.parallel import one_torch_thread
 from grpo_cli.engine.stream import prefetch, streamed
@@ -86,6 +87,63 @@ def test_segment_sum_is_the_sequential_float64_sum(device):
         ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         old = torch.zeros(len(lengths), dtype=torch.float64).index_add_(0, ids, values.to(torch.float64))
         assert torch.equal(torch.tensor(got, dtype=torch.float64), old)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_segment_span_counts_and_finds_the_first_and_last_true_token(device, seed):
+    rng = random.Random(seed)
+    lengths = [rng.choice([0, 1, 2, 5, 40]) for _ in range(60)]
+    mask = [rng.random() < rng.choice([0.0, 0.1, 0.5, 1.0]) for _ in range(sum(lengths))]
+    cu = cu_seqlens_from_lengths(torch.tensor(lengths)) + 3  # offsets need not start at 0
+    count, first, last = (t.cpu().tolist() for t in segment_span(torch.tensor(mask, device=device), cu.to(device)))
+    start = 0
+    for i, length in enumerate(lengths):
+        hits = [start + j for j in range(length) if mask[start + j]]
+        assert count[i] == len(hits)
+        assert first[i] == (hits[0] if hits else torch.iinfo(torch.int64).max)
+        assert last[i] == (hits[-1] if hits else -1)
+        start += length
+
+
+@pytest.mark.parametrize("sorted_keys", [True, False])
+def test_key_sums_add_each_keys_tokens_in_token_order(device, sorted_keys):
+    rng = random.Random(11)
+    lengths = [rng.choice([0, 1, 9, 200]) for _ in range(50)]
+    keys = sorted(rng.randrange(7) for _ in lengths) if sorted_keys else [rng.randrange(7) for _ in lengths]
+    values = torch.randn(3, sum(lengths), generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 1e3
+    cu = cu_seqlens_from_lengths(torch.tensor(lengths))
+    got = key_sums(values.to(device), torch.tensor(keys, device=device), cu.to(device), 7).cpu()
+    want = [[0.0] * 7 for _ in range(3)]
+    start = 0
+    for key, length in zip(keys, lengths):
+        for row in range(3):
+            for v in values[row, start:start + length].tolist():  # Python floats: sequential float64 additions
+                want[row][key] += v
+        start += length
+    if device == "cpu":
+        assert got.tolist() == want  # the same additions in the same order: equal bits
+    else:
+        assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=1e-9)
+
+
+def test_a_run_of_sequences_is_the_masked_selection_as_views():
+    new, old, _, _, cu = packed([3, 0, 5, 2, 4], seed=4)
+    mask = torch.rand(new.numel(), generator=torch.Generator().manual_seed(1)) > 0.3
+    batch = TokenBatch(cu_seqlens=cu, new_logp=new, old_logp=old, loss_mask=mask,
+                       step=torch.tensor([1, 1, 2, 2, 3]))
+    batch.valid()
+    part = batch.sequence_range(1, 4)
+    want = batch.select_sequences(torch.tensor([False, True, True, True, False]))
+    for name in ("cu_seqlens", "new_logp", "old_logp", "loss_mask", "step"):
+        assert torch.equal(getattr(part, name), getattr(want, name)), name
+    assert part.new_logp.data_ptr() == batch.new_logp[3:].data_ptr()  # a view: nothing gathered
+    for name in ("cu_seqlens", "new_logp", "positions"):
+        assert torch.equal(getattr(part.valid(), name), getattr(want.valid(), name)), name
+    # an index selection takes the sequences in the order given
+    reordered = batch.select_sequences(torch.tensor([3, 0, 2]))
+    assert reordered.cu_seqlens.tolist() == [0, 2, 5, 10]
+    assert torch.equal(reordered.new_logp, torch.cat([new[8:10], new[0:3], new[3:8]]))
+    assert reordered.step.tolist() == [2, 1, 2]
 
 
 def test_segment_ids_are_memoised_and_never_stale():

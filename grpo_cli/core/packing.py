@@ -22,6 +22,7 @@ __all__ = [
     "segment_count",
     "segment_ids",
     "segment_max",
+    "segment_span",
     "segment_min",
     "segment_sum",
 ]
@@ -124,6 +125,13 @@ def segment_sum(values: Tensor, cu_seqlens: Tensor, dtype: torch.dtype | None = 
     return out.index_add_(0, segment_ids(cu_seqlens, values.numel()), values.to(dtype))
 
 
+def _running_count(mask: Tensor) -> Tensor:
+    """``[N + 1]`` int64: entry i counts the true tokens before token i."""
+    running = torch.zeros(mask.numel() + 1, dtype=torch.int64, device=mask.device)
+    torch.cumsum(mask, 0, dtype=torch.int64, out=running[1:])
+    return running
+
+
 def segment_count(mask: Tensor, cu_seqlens: Tensor) -> Tensor:
     """int64 count of the true tokens of packed ``mask`` per sequence, from one running count (a prefix sum is
     cheaper than a scatter, and integer counts do not depend on the order of addition).
@@ -132,10 +140,31 @@ def segment_count(mask: Tensor, cu_seqlens: Tensor) -> Tensor:
         >>> segment_count(torch.tensor([True, False, True]), torch.tensor([0, 2, 2, 3])).tolist()
         [1, 0, 1]
     """
-    running = torch.zeros(mask.numel() + 1, dtype=torch.int64, device=mask.device)
-    torch.cumsum(mask, 0, dtype=torch.int64, out=running[1:])
-    start = (cu_seqlens - cu_seqlens[0]).to(device=mask.device, dtype=torch.int64)
-    return running[start[1:]] - running[start[:-1]]
+    return segment_span(mask, cu_seqlens)[0]
+
+
+def segment_span(mask: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per sequence: the count of true tokens of packed ``mask``, the index (into the packed tokens) of its first
+    true token (the int64 maximum where it has none) and of its last (−1 where none).
+
+    One running count answers all three: a sequence's first true token is the first position where the count
+    passes its value at the sequence's start, its last where the count first reaches its value at the end (binary
+    searches of a non-decreasing vector, instead of scatters over every token).
+
+    Example:
+        >>> [t.tolist() for t in segment_span(torch.tensor([False, True, True, False]), torch.tensor([0, 3, 3, 4]))]
+        [[2, 0, 0], [1, 9223372036854775807, 9223372036854775807], [2, -1, -1]]
+    """
+    running = _running_count(mask)
+    start = (cu_seqlens[:-1] - cu_seqlens[0]).to(device=mask.device, dtype=torch.int64)
+    end = (cu_seqlens[1:] - cu_seqlens[0]).to(device=mask.device, dtype=torch.int64)
+    before, through = running.index_select(0, start), running.index_select(0, end)
+    count = through - before
+    after = running[1:]
+    first = torch.searchsorted(after, before + 1)
+    last = torch.searchsorted(after, through)
+    some = count > 0
+    return (count, torch.where(some, first, torch.iinfo(torch.int64).max), torch.where(some, last, -1))
 
 
 def _segment_extreme(values: Tensor, cu_seqlens: Tensor, reduce: str, fill: float) -> Tensor:

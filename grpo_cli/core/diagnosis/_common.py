@@ -17,10 +17,8 @@ __all__ = [
     "TOP_FIELDS",
     "as_float",
     "counts_by",
-    "first_index",
     "jackknife",
     "key_sums",
-    "last_index",
     "locations",
     "sums_by",
     "table_rows",
@@ -97,21 +95,8 @@ def key_sums(values: Tensor, key_of_seq: Tensor, cu_seqlens: Tensor, n_keys: int
         run = torch.zeros(n_keys, dtype=torch.int64, device=values.device).index_add_(0, key_of_seq, lengths)
         return torch.segment_reduce(values, "sum", lengths=run.expand(values.shape[0], n_keys), axis=1, unsafe=True)
     key_of_token = torch.repeat_interleave(key_of_seq, lengths, output_size=values.shape[1])
-    return torch.zeros(values.shape[0], n_keys, dtype=torch.float64, device=values.device).index_add_(
-        1, key_of_token, values)
-
-
-def last_index(index: Tensor, mask: Tensor, n: int, position: Tensor) -> Tensor:
-    """The largest ``position`` of a ``mask`` token per segment, −1 where a segment has none."""
-    fill = torch.full((n,), -1, dtype=torch.int64, device=index.device)
-    return fill.scatter_reduce(0, index, torch.where(mask, position, -1), reduce="amax")
-
-
-def first_index(index: Tensor, mask: Tensor, n: int, position: Tensor) -> Tensor:
-    """The smallest ``position`` of a ``mask`` token per segment, the int64 maximum where a segment has none."""
-    big = torch.iinfo(torch.int64).max
-    fill = torch.full((n,), big, dtype=torch.int64, device=index.device)
-    return fill.scatter_reduce(0, index, torch.where(mask, position, big), reduce="amin")
+    # a 1-D index_add_ per row: index_add_ along dim 1 scatters through an expanded index, slower with many keys
+    return torch.stack([sums_by(key_of_token, row, n_keys) for row in values])
 
 
 def table_rows(table: Tensor) -> list[dict[str, Any]]:

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_cli.core.diagnosis._common import as_float, first_index, key_sums, sums_by
+from grpo_cli.core.diagnosis._common import as_float, key_sums, sums_by
 from grpo_cli.core.keyed_state import KeyedState
-from grpo_cli.core.packing import segment_count, segment_ids, segment_sum
+from grpo_cli.core.packing import segment_count, segment_ids, segment_span, segment_sum
 from grpo_cli.core.state import Reduce
 
 __all__ = ["LAG0_SEQ_MIN_TOKENS", "by_step_compute", "by_step_state", "by_step_update"]
@@ -104,9 +104,10 @@ def by_step_update(
     if prox_logp is not None:
         per_token["sum_prox_abs"] = (new - as_float(prox_logp)).abs()
     if ref_logp is not None:
+        ref_nonzero = ref_logp != 0
         for name, other in (("new", new_logp), ("old", old_logp), ("prox", prox_logp)):
             if other is not None:
-                per_token[f"eq_ref_{name}"] = (ref_logp == other) & (ref_logp != 0)
+                per_token[f"eq_ref_{name}"] = (ref_logp == other) & ref_nonzero
     if advantages is not None and base_logp is not None:
         ratio = torch.exp(new - as_float(base_logp))
         adv = as_float(advantages)
@@ -131,9 +132,10 @@ def by_step_update(
         cols["n_eos_known"] = cols["n_seq"]
         no_eos = (eos.to(device) == 0).to(torch.float64)
         cols["n_no_eos"] = sums_by(inv_seq, no_eos, n_keys)
-    if lag is not None and bool(gen.any()):
+    if lag is not None:
         inv_tok = inv_seq.index_select(0, seq)
-        max_lag = max_lag.scatter_reduce(0, inv_tok[gen], lag[gen].to(torch.float64), reduce="amax")
+        lag_or_none = torch.where(gen, lag.to(torch.float64), -math.inf)
+        max_lag = max_lag.scatter_reduce(0, inv_tok, lag_or_none, reduce="amax")
     seq_max = torch.full((n_keys,), -math.inf, dtype=torch.float64, device=device)
     if old_logp is not None and lag is not None:
         at0 = lag == 0
@@ -157,9 +159,8 @@ def _step_lag_rows(step: Tensor, seq: Tensor, cu_seqlens: Tensor, new: Tensor, o
     gen = lag >= 0
     if not bool(gen.any()):
         return torch.zeros((0, 6), dtype=torch.float64, device=device)
-    n, n_seq = new.numel(), cu_seqlens.numel() - 1
-    idx = torch.arange(n, device=device)
-    first = first_index(seq, gen, n_seq, idx)
+    n = new.numel()
+    first = segment_span(gen, cu_seqlens)[1]
     has = first < torch.iinfo(torch.int64).max
     seq_lag = torch.where(has, lag.index_select(0, first.clamp_max(n - 1)), -1).clamp_max(_STEP_LAG_BINS - 1)
     same = gen & (lag.clamp_max(_STEP_LAG_BINS - 1) == seq_lag.index_select(0, seq))

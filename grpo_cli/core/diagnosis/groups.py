@@ -8,9 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_cli.core.diagnosis._common import counts_by, sums_by
 from grpo_cli.core.keyed_state import KeyedState
-from grpo_cli.core.packing import lengths_from_cu_seqlens, segment_ids
+from grpo_cli.core.packing import lengths_from_cu_seqlens, segment_count, segment_sum
 from grpo_cli.core.state import Reduce
 
 __all__ = ["SCALE_TOLERANCE", "groups_compute", "groups_state", "groups_update"]
@@ -58,13 +57,12 @@ def groups_update(
     if n_seq == 0:
         return
     device = advantages.device
-    seq = segment_ids(cu_seqlens, advantages.numel()).to(device)
     valid = loss_mask.to(torch.bool)
     adv = advantages.to(torch.float64)
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    v_sum = sums_by(seq, torch.where(valid, adv, zero), n_seq)
-    v_n = counts_by(seq, valid, n_seq)
-    all_sum = sums_by(seq, adv, n_seq)
+    v_sum = segment_sum(torch.where(valid, adv, zero), cu_seqlens, torch.float64)
+    v_n = segment_count(valid, cu_seqlens)
+    all_sum = segment_sum(adv, cu_seqlens, torch.float64)
     lengths = lengths_from_cu_seqlens(cu_seqlens).to(device)
     a = torch.where(v_n > 0, v_sum / v_n.clamp_min(1), all_sum / lengths.clamp_min(1))
     r = rewards.to(device=device, dtype=torch.float64)

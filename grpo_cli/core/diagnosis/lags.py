@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_cli.core.diagnosis._common import TOP_FIELDS, as_float, counts_by, sums_by, table_rows, update_top
-from grpo_cli.core.packing import segment_ids
+from grpo_cli.core.diagnosis._common import TOP_FIELDS, as_float, table_rows, update_top
+from grpo_cli.core.packing import segment_count, segment_sum
 from grpo_cli.core.state import MetricState, count, maximum, top_rows, total
 
 __all__ = ["BIG_SEQ_MISMATCH", "MAX_DIAG_LAG", "lags_compute", "lags_state", "lags_update"]
@@ -92,10 +92,8 @@ def lags_update(
     state.update(sum_exp0=torch.exp(d0).sum())
     if d0.numel():
         state.update(max_abs0=d0.max())
-    n_seq = cu_seqlens.numel() - 1
-    seq = segment_ids(cu_seqlens, n).to(device)
-    s_sum = sums_by(seq, torch.where(at0, diff, 0.0), n_seq)
-    s_n = counts_by(seq, at0, n_seq)
+    s_sum = segment_sum(torch.where(at0, diff, 0.0), cu_seqlens, torch.float64)
+    s_n = segment_count(at0, cu_seqlens)
     has = s_n > 0
     s_mean = s_sum / s_n.clamp_min(1)
     state.update(n_seq0=has.sum(), n_seq0_big=(has & (s_mean > BIG_SEQ_MISMATCH)).sum())

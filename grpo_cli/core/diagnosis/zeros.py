@@ -12,13 +12,10 @@ from grpo_cli.core.diagnosis._common import (
     LOGP_COLUMNS,
     TOP_FIELDS,
     as_float,
-    counts_by,
-    first_index,
-    last_index,
     table_rows,
     update_top,
 )
-from grpo_cli.core.packing import segment_ids
+from grpo_cli.core.packing import segment_count, segment_ids, segment_span
 from grpo_cli.core.state import MetricState, count, top_rows
 
 __all__ = ["ZERO_GAP", "zeros_compute", "zeros_state", "zeros_update"]
@@ -94,18 +91,15 @@ def zeros_update(
         state.update(n_old_zero_new_not=gap.sum())
         suspect |= gap
     # trailing zero runs: the valid zero tokens after a sequence's last valid non-zero token
-    n_valid_seq = counts_by(seq, valid, n_seq)
+    n_valid_seq, first_valid, last_valid = segment_span(valid, cu_seqlens)
     idx = torch.arange(n, device=device)
-    last_valid = last_index(seq, valid, n_seq, idx)
-    breaker = valid & ~zero_all
-    last_breaker = last_index(seq, breaker, n_seq, idx)
+    last_breaker = segment_span(valid & ~zero_all, cu_seqlens)[2]
     in_run = valid & zero_all & (idx > last_breaker.index_select(0, seq))
-    run_len = counts_by(seq, in_run, n_seq)
+    run_len = segment_count(in_run, cu_seqlens)
     trailing = (run_len >= 2) & (last_valid >= 0)
     state.update(n_seq=(n_valid_seq > 0).sum(), n_seq_trailing=trailing.sum(), n_tok_trailing=run_len[trailing].sum())
     suspect |= in_run & trailing.index_select(0, seq)
     # holes: masked tokens strictly between a sequence's first and last valid token
-    first_valid = first_index(seq, valid, n_seq, idx)
     inside = (idx > first_valid.index_select(0, seq)) & (idx < last_valid.index_select(0, seq))
     hole = inside & ~valid
     state.update(n_holes=hole.sum())
@@ -120,7 +114,7 @@ def zeros_update(
             n_holes_generated=(hole & generated).sum(),
         )
         suspect |= prompt_in_loss | generated_masked
-    per_seq = counts_by(seq, suspect, n_seq)
+    per_seq = segment_count(suspect, cu_seqlens)
     flagged = per_seq > 0
     state.update(n_seq_suspect=flagged.sum())
     update_top(state, per_seq.to(torch.float64), flagged, n_valid_seq, file_index=file_index, rows=rows, step=step)
