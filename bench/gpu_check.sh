@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One short run on a lent GPU machine (about 5 minutes on 16 cores + one H200; never past ~8): the Diagnoser's cost on
-# a GPU training step, the CUDA-parametrised tests, a
-# CPU-vs-GPU check of every figure on a 200 M-token dump, and the benchmark at 200 M tokens on CUDA and on the CPU.
+# a GPU training step, the CUDA-parametrised tests, a CPU-vs-GPU check of every figure on a 200 M-token dump, and the
+# benchmark at 200 M tokens on CUDA and on the CPU.
 #
 #   OUT=/some/dir bash bench/gpu_check.sh
 #
