@@ -360,7 +360,6 @@ def test_by_step_hand_values() -> None:
     assert [r["step"] for r in rows] == [1, 3]
     s1, s3 = rows
     assert s3["abs_diff_mean"] == 0.25 and s3["lag0_abs_diff_mean"] == 0.5 and s3["lag0_n_tokens"] == 1
-    assert s3["lag0_mult_prob_error"] == pytest.approx(math.exp(0.5))
     assert s3["entropy_mean"] == 1.5 and s3["neg_logp_mean"] == 1.5 and s3["no_eos_frac"] == 0.0
     assert s3["lag_mean"] == 0.5 and s3["lag_max"] == 1
     assert s3["clip_frac"] == 0.5  # r = e^0.5 > 1.2 with A > 0 on the first token
@@ -381,7 +380,6 @@ def test_lags_hand_values() -> None:
     lags_update(state, new_logp=new, old_logp=old, lag=lag, cu_seqlens=_cu(2, 3), prox_logp=prox)
     out = lags_compute(state)
     assert out["diag/lag0_n_tokens"] == 1 and out["diag/lag0_abs_diff_mean"] == pytest.approx(0.05, rel=1e-6)
-    assert out["diag/lag0_mult_prob_error"] == pytest.approx(math.exp(0.05), rel=1e-6)
     assert out["diag/lag_max"] == 3
     errors = {r["lag"]: r["prox_loglinear_error"] for r in out["diag/by_lag"]}
     assert errors[1] == pytest.approx(0.0, abs=1e-7)

@@ -17,7 +17,7 @@ from grpo_cli.core.state import Reduce
 __all__ = ["LAG0_SEQ_MIN_TOKENS", "by_step_compute", "by_step_state", "by_step_update"]
 
 _STEP_COLUMNS = (
-    "n_tok", "n_old", "sum_abs", "n_lag0", "sum_abs_lag0", "sum_exp_lag0", "n_ent", "sum_ent", "sum_neg_new",
+    "n_tok", "n_old", "sum_abs", "n_lag0", "sum_abs_lag0", "n_ent", "sum_ent", "sum_neg_new",
     "n_seq", "n_eos_known", "n_no_eos", "n_lag", "sum_lag", "n_clip_known", "n_clip", "n_prox", "sum_prox_abs",
     "n_rew", "sum_rew", "n_ref", "eq_ref_new", "eq_ref_old", "eq_ref_prox",
 )
@@ -94,7 +94,6 @@ def by_step_update(
             at0 = (lag == 0).to(torch.float64)
             per_token["n_lag0"] = at0
             per_token["sum_abs_lag0"] = diff * at0
-            per_token["sum_exp_lag0"] = torch.exp(diff.to(torch.float64)) * at0
     if entropy is not None:
         per_token["sum_ent"] = as_float(entropy)
     if lag is not None:
@@ -178,7 +177,7 @@ def _step_lag_rows(step: Tensor, seq: Tensor, cu_seqlens: Tensor, new: Tensor, o
 
 def by_step_compute(state: KeyedState) -> dict[str, Any]:
     """``diag/by_step``: one row per step, in step order, ``{step, n_tokens, abs_diff_mean, lag0_n_tokens,
-    lag0_abs_diff_mean, lag0_mult_prob_error, entropy_mean, neg_logp_mean, n_sequences, no_eos_frac, lag_mean,
+    lag0_abs_diff_mean, entropy_mean, neg_logp_mean, n_sequences, no_eos_frac, lag_mean,
     lag_max, clip_frac, lag0_seq_max, prox_abs_diff_mean, reward_mean, n_ref, ref_equal_new, ref_equal_old,
     ref_equal_prox}`` (``ref_equal_*``: tokens where ``ref_logp`` equals that column bitwise and is not 0, of
     ``n_ref``; ``prox_abs_diff_mean``: mean |new − prox|,
@@ -201,7 +200,6 @@ def by_step_compute(state: KeyedState) -> dict[str, Any]:
             "abs_diff_mean": ratio("sum_abs", "n_old"),
             "lag0_n_tokens": int(c["n_lag0"]),
             "lag0_abs_diff_mean": ratio("sum_abs_lag0", "n_lag0"),
-            "lag0_mult_prob_error": ratio("sum_exp_lag0", "n_lag0"),
             "entropy_mean": ratio("sum_ent", "n_ent"),
             "neg_logp_mean": ratio("sum_neg_new", "n_tok"),
             "n_sequences": int(c["n_seq"]),

@@ -23,7 +23,7 @@ def lags_state(device: torch.device | str | None = None, top_k: int = 8) -> Metr
     bins = (MAX_DIAG_LAG + 1,)
     specs = {
         "n": count(bins), "sum_abs": total(bins), "n_prox": count(bins), "sum_prox_err": total(bins),
-        "sum_exp0": total(), "max_abs0": maximum(), "n_seq0": count(), "n_seq0_big": count(),
+        "max_abs0": maximum(), "n_seq0": count(), "n_seq0_big": count(),
         "lag_max": maximum(), "top": top_rows(top_k, len(TOP_FIELDS)),
     }
     return MetricState(specs, device)
@@ -89,7 +89,6 @@ def lags_update(
         state.update(n_prox=counts, sum_prox_err=by_lag(err))
     at0 = lag == 0
     d0 = diff[at0]
-    state.update(sum_exp0=torch.exp(d0).sum())
     if d0.numel():
         state.update(max_abs0=d0.max())
     s_sum = segment_sum(torch.where(at0, diff, 0.0), cu_seqlens, torch.float64)
@@ -101,9 +100,8 @@ def lags_update(
 
 
 def lags_compute(state: MetricState, *, tolerance: float = 0.01) -> dict[str, Any]:
-    """``diag/lag0_n_tokens``, ``diag/lag0_abs_diff_mean``, ``diag/lag0_abs_diff_max``, ``diag/lag0_mult_prob_error``
-    (NeMo RL's mean exp(|new − old|) over lag-0 tokens), ``diag/lag0_big_seq_frac`` (lag-0
-    sequences with mean |new − old| > :data:`BIG_SEQ_MISMATCH`), ``diag/lag0_top``; ``diag/by_lag`` rows
+    """``diag/lag0_n_tokens``, ``diag/lag0_abs_diff_mean``, ``diag/lag0_abs_diff_max``, ``diag/lag0_big_seq_frac``
+    (lag-0 sequences with mean |new − old| > :data:`BIG_SEQ_MISMATCH`), ``diag/lag0_top``; ``diag/by_lag`` rows
     ``{lag, n_tokens, abs_diff_mean, prox_loglinear_error}`` (the last bin, ``overflow``, holds lags ≥ MAX_DIAG_LAG);
     with ``prox_logp``: ``diag/prox_loglinear_safe_lag`` (the largest k ≥ 1 with every observed lag in [1, k] at a
     mean error ≤ ``tolerance``, 0 when lag 1 already exceeds it; compare-prox's ``max_safe_lag`` rule) and
@@ -120,7 +118,6 @@ def lags_compute(state: MetricState, *, tolerance: float = 0.01) -> dict[str, An
         out["diag/lag0_n_tokens"] = n[0]
         out["diag/lag0_abs_diff_mean"] = sums[0] / n[0]
         out["diag/lag0_abs_diff_max"] = float(state["max_abs0"])
-        out["diag/lag0_mult_prob_error"] = float(state["sum_exp0"]) / n[0]
     if int(state["n_seq0"]):
         out["diag/lag0_big_seq_frac"] = int(state["n_seq0_big"]) / int(state["n_seq0"])
         out["diag/lag0_n_seq"] = int(state["n_seq0"])
