@@ -120,7 +120,7 @@ def _graded_fraction(
     inconclusive, not a warning."""
     est = _wilson(round(frac * n), int(n))
     severity = _judge(est, warning, error) or "info"
-    notes = [_settle(est, warning, n, unit)] if severity == "inconclusive" else []
+    notes = _settle_notes(severity, est, warning, n, unit)
     return severity, notes, est
 
 
@@ -178,6 +178,12 @@ def _wilson(k: int, n: int) -> Estimate:
     """A fraction of ``n`` units (sequences, groups) with Wilson's 95 % score interval."""
     low, high = wilson(k, n)
     return Estimate(k / n if n else 0.0, low, high)
+
+
+def _settle_notes(severity: str | None, est: Estimate, threshold: float, n: float | None, unit: str) -> list[str]:
+    """For an ``inconclusive`` finding, the note saying how much more data would make ``est`` conclusive against
+    ``threshold`` (nothing for any other severity)."""
+    return [_settle(est, threshold, n, unit)] if severity == "inconclusive" else []
 
 
 def _settle(est: Estimate, threshold: float, n: float | None, unit: str) -> str:

@@ -21,7 +21,7 @@ from grpo_cli.findings._base import (
     _max_sev,
     _num,
     _sequences,
-    _settle,
+    _settle_notes,
 )
 from grpo_cli.findings.catalog import RULES
 from grpo_cli.findings.thresholds import (
@@ -94,9 +94,7 @@ def _temperature(c: _Ctx) -> list[Finding]:
     sev = _judge(dev, math.log1p(TEMPERATURE_WARNING), math.log1p(TEMPERATURE_ERROR))
     if sev is None:
         return []
-    notes: list[str] = []
-    if sev == "inconclusive":
-        notes.append(_settle(dev, math.log1p(TEMPERATURE_WARNING), _num(f, "diag/pair_n_tokens"), "tokens"))
+    notes = _settle_notes(sev, dev, math.log1p(TEMPERATURE_WARNING), _num(f, "diag/pair_n_tokens"), "tokens")
     partner = f.get("diag/pair_partner") or "new_logp"
     title = RULES["GRP102"].title.format(ratio=ratio.value, low=ratio.low, high=ratio.high, partner=partner,
                                         scope=f.get("diag/pair_scope") or "lag 0")
@@ -123,9 +121,7 @@ def _truncated(c: _Ctx) -> list[Finding]:
     sev = _judge(onesided, ONESIDED_WARNING, ONESIDED_ERROR)
     if sev is None:
         return []
-    notes: list[str] = []
-    if sev == "inconclusive":
-        notes.append(_settle(onesided, ONESIDED_WARNING, _num(f, "diag/pair_n_tokens"), "tokens"))
+    notes = _settle_notes(sev, onesided, ONESIDED_WARNING, _num(f, "diag/pair_n_tokens"), "tokens")
     title = RULES["GRP103"].title.format(frac=onesided.value, shift=lik.value, scope=f.get("diag/pair_scope") or "")
     ev = {"diag/pair_onesided": onesided.ev(ONESIDED_WARNING), "diag/pair_d_likely": lik.ev(0.0)}
     if unl is not None:
@@ -140,9 +136,7 @@ def _retokenization(c: _Ctx) -> list[Finding]:
     if frac is None or not n:
         return []
     sev = _judge(frac, RETOK_WARNING, RETOK_ERROR) or "info"
-    notes: list[str] = []
-    if sev == "inconclusive":
-        notes.append(_settle(frac, RETOK_WARNING, c.n_sequences, "sequences"))
+    notes = _settle_notes(sev, frac, RETOK_WARNING, c.n_sequences, "sequences")
     title = RULES["GRP108"].title.format(frac=frac.value, n=int(n), tokens=int(_num(f, "diag/retok_n_tokens") or 0))
     ev = {"diag/retok_seq_frac": frac.ev(RETOK_WARNING),
           "diag/retok_n_tokens": _ev(int(_num(f, "diag/retok_n_tokens") or 0), None)}

@@ -22,7 +22,7 @@ from grpo_cli.findings._base import (
     _num,
     _sequences,
     _series,
-    _settle,
+    _settle_notes,
     _trend,
     _wilson,
 )
@@ -160,8 +160,8 @@ def _mismatch(c: _Ctx) -> list[Finding]:
     notes: list[str] = []
     if f.get("diag/pair_scope") == "all tokens":
         sev = _cap(sev, notes, "no versions: staleness cannot be separated from numerics")
-    elif sev == "inconclusive":
-        notes.append(_settle(mult, MULT_ERROR_WARNING, _num(f, "diag/pair_n_tokens"), "tokens"))
+    else:
+        notes += _settle_notes(sev, mult, MULT_ERROR_WARNING, _num(f, "diag/pair_n_tokens"), "tokens")
     title = RULES["GRP202"].title.format(error=mult.value, frac=big or 0.0, scope=f.get("diag/pair_scope") or "lag 0")
     return [Finding("GRP202", "mismatch", sev, title, ev, {"sequences": _sequences(f.get("diag/lag0_top"))},
                     RULES["GRP202"].fix, notes)]
@@ -175,9 +175,7 @@ def _importance(c: _Ctx) -> list[Finding]:
     sev = _judge(tail, TAIL_WARNING, TAIL_ERROR)
     if sev is None:
         return []
-    notes: list[str] = []
-    if sev == "inconclusive":
-        notes.append(_settle(tail, TAIL_WARNING, _num(f, "diag/pair_n_tokens"), "tokens"))
+    notes = _settle_notes(sev, tail, TAIL_WARNING, _num(f, "diag/pair_n_tokens"), "tokens")
     ev = {"diag/pair_tail_frac": tail.ev(TAIL_WARNING)}
     ess = _num(f, "is/ess")
     if ess is not None:
@@ -195,9 +193,7 @@ def _prox_recompute(c: _Ctx) -> list[Finding]:
     if frac is None or frac.value == 0:
         return []
     sev = _judge(frac, PROX_EQUAL_WARNING, PROX_EQUAL_ERROR) or "info"
-    notes: list[str] = []
-    if sev == "inconclusive":
-        notes.append(_settle(frac, PROX_EQUAL_WARNING, _num(f, "diag/prox_equal_old_n_stale"), "stale sequences"))
+    notes = _settle_notes(sev, frac, PROX_EQUAL_WARNING, _num(f, "diag/prox_equal_old_n_stale"), "stale sequences")
     title = RULES["GRP207"].title.format(frac=frac.value)
     ev = {"diag/prox_equal_old_seq_frac": frac.ev(PROX_EQUAL_WARNING),
           "diag/prox_equal_old_n_stale": _ev(int(_num(f, "diag/prox_equal_old_n_stale") or 0), None)}
@@ -283,8 +279,7 @@ def _clipping(c: _Ctx) -> list[Finding]:
     value = max(est.value for _, est, _ in estimates)
     title = RULES["GRP206"].title.format(value=value, overall=value if overall is None else overall)
     ev = {key: est.ev(CLIP_WARNING, **({"step": step} if step is not None else {})) for key, est, step in estimates}
-    notes = [_settle(max((e for _, e, _ in estimates), key=lambda e: e.value), CLIP_WARNING, None, "tokens")] \
-        if sev == "inconclusive" else []
+    notes = _settle_notes(sev, max((e for _, e, _ in estimates), key=lambda e: e.value), CLIP_WARNING, None, "tokens")
     steps = sorted(series, key=lambda x: -x[1])[:5]
     return [Finding("GRP206", "clipping", sev, title, ev, {"steps": [s for s, v, _ in steps if v >= CLIP_WARNING]},
                     RULES["GRP206"].fix, notes)]

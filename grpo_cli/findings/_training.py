@@ -19,7 +19,7 @@ from grpo_cli.findings._base import (
     _judge,
     _num,
     _series,
-    _settle,
+    _settle_notes,
 )
 from grpo_cli.findings.catalog import RULES
 from grpo_cli.findings.thresholds import (
@@ -121,7 +121,7 @@ def _entropy(c: _Ctx) -> list[Finding]:
     sev = _judge(est, ENTROPY_RATIO_WARNING, ENTROPY_RATIO_ERROR, below=True)
     if sev is None:
         return []
-    notes = [_settle(est, ENTROPY_RATIO_WARNING, len(series), "steps")] if sev == "inconclusive" else []
+    notes = _settle_notes(sev, est, ENTROPY_RATIO_WARNING, len(series), "steps")
     rewards = _halves(_series(f, c.steps, "reward_mean", "reward/mean"), 0.25)
     if rewards is not None and rewards[1] - rewards[0] >= REWARD_RISE:
         # A policy converging on its task loses entropy as its reward rises; collapse is the concern when the
