@@ -1,7 +1,7 @@
 """Replay equivalence on the whole corpus: every fault at every magnitude and every healthy control, replayed step by
 step into :class:`grpo_cli.Diagnoser`, ends with the codes and severities ``analyze`` gives for the whole dump.
 
-    python bench/replay_corpus.py                    # seeds 7 and 11, every case (~30 min on 2 cores)
+    python bench/replay_corpus.py                    # seeds 7 and 11, every case (~5 min on 2 cores)
     python bench/replay_corpus.py --seeds 7 --cases temperature@0.85 async
 
 Each case's run is generated at the findings tests' size (6 steps of 12 prompts, unless the case sets its own),
