@@ -6,7 +6,7 @@ each fault is named at the first step, and a healthy control ends quiet."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +18,16 @@ from grpo_cli.commands.analyze import analyze
 from grpo_cli.commands.corpus import RunSpec, generate_run
 from grpo_cli.commands.corpus_catalog import CONTROLS, FAULTS, Case
 from grpo_cli.commands.diagnoser import diagnoser_groups
-from grpo_cli.core.packing import packed_to_padded
 from grpo_cli.findings import DetectConfig
 from grpo_cli.io import RolloutDataset
 from grpo_cli.metrics import AnalyzeConfig
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from _corpus_eval import COLUMNS, graded, replay
+
 SEED = 7
 SIZE = {"steps": 4, "prompts_per_step": 8}
 """Small dumps: 4 steps of 64 sequences (every realistic fault below is still conclusive at this size)."""
-COLUMNS = ("new_logp", "old_logp", "prox_logp", "ref_logp", "entropy", "versions", "advantages", "rewards",
-           "group_id", "current_version", "eos", "seq_id", "step")
 DETECT_OPTIONS = ("max_staleness", "prox_approximation")
 
 _CASES = {c.name: c for cases in FAULTS.values() for c in cases} | CONTROLS
@@ -49,39 +49,6 @@ def offline(files: list[Path], options: dict[str, Any]) -> list[dict[str, Any]]:
     config = AnalyzeConfig(**{k: v for k, v in options.items() if k not in DETECT_OPTIONS})
     detect = DetectConfig(**{k: v for k, v in options.items() if k in DETECT_OPTIONS})
     return analyze(RolloutDataset(files), config, findings=detect).findings
-
-
-def replay(files: list[Path], options: dict[str, Any], *, padded: bool = False,
-           on_step: Callable[[Diagnoser], None] | None = None) -> tuple[Diagnoser, list[list[dict[str, Any]]]]:
-    """Each part file is a step: its reader batches go to ``update`` (packed, or padded with ``lengths``), then
-    ``step_end``; returns the diagnoser and what each ``step_end`` returned."""
-    diagnoser = Diagnoser(**options)
-    wanted = {"loss_mask"}.union(*(g.columns() for g in diagnoser_groups()))
-    per_step = []
-    for path in files:
-        step = None
-        for batch in RolloutDataset([path]).iter_batches(columns=wanted, raw_mask=True, batch_tokens=2000):
-            given = {name: getattr(batch, name) for name in COLUMNS if getattr(batch, name) is not None}
-            if padded:
-                lengths = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
-                for name in ("new_logp", "old_logp", "prox_logp", "ref_logp", "entropy", "versions"):
-                    given[name] = packed_to_padded(given[name], batch.cu_seqlens, pad_value=0.0)
-                # per-sequence advantages ([B]), as a trainer holds them; the dump broadcast them to tokens
-                given["advantages"] = given["advantages"][batch.cu_seqlens[:-1]]
-                diagnoser.update(loss_mask=packed_to_padded(batch.loss_mask, batch.cu_seqlens), lengths=lengths,
-                                 **given)
-            else:
-                diagnoser.update(loss_mask=batch.loss_mask, cu_seqlens=batch.cu_seqlens, **given)
-            step = int(batch.step[0])
-        assert step is not None
-        per_step.append(diagnoser.step_end(step))
-        if on_step is not None:
-            on_step(diagnoser)
-    return diagnoser, per_step
-
-
-def graded(findings: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    return sorted((f["code"], f["severity"]) for f in findings)
 
 
 @pytest.mark.parametrize("case", REPLAYED, ids=lambda c: c.name)

@@ -21,7 +21,7 @@ from grpo_cli.commands.corpus_catalog import CONTROLS, FAULTS, Case
 from grpo_cli.findings.catalog import RULES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from _corpus_eval import Outcome, analyze_json, options_of
+from _corpus_eval import Outcome, analyze_json, graded, options_of, replay
 
 SEED = 7
 """Not a seed the thresholds were looked at with (those were 1 and 2)."""
@@ -51,8 +51,6 @@ def test_a_step_by_step_replay_ends_with_the_same_findings(
 ) -> None:
     """``grpo_cli.Diagnoser`` fed each part file as a training step reports, at the end, ``analyze``'s codes at
     ``analyze``'s severities: one implementation online and offline."""
-    from test_diagnoser import graded, replay
-
     outcome, _, path = _cached(case, tmp_path_factory)
     diagnoser, _ = replay(sorted(path.glob("part-*.parquet")), case.options)
     assert graded(diagnoser.findings()) == graded(outcome.findings)
