@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from reference import random_sequences, write_sequences
+from reference import random_sequences, verl_rollout_corr_reference, verl_rollout_rs_reference, write_sequences
 
 from grpo_cli.cli import main
 from grpo_cli.core.peer_figures import (
@@ -33,6 +33,7 @@ from grpo_cli.metrics.config import AnalyzeConfig
 from grpo_cli.metrics.names import NAMES
 
 APPROX = {"rel": 2e-5, "abs": 1e-6}  # the peer functions work in float32 per element, the groups in float64
+EXACT = {"rel": 1e-9, "abs": 1e-12}  # the groups against the float64 references of tests/reference.py
 
 
 def run_json(capsys, *args):
@@ -116,6 +117,42 @@ def test_verl_truncated_weight_statistics_by_hand(capsys, tmp_path):
     assert older["rollout_corr/rollout_is_max"] == pytest.approx(4.0, rel=1e-6)
     assert older["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx((3.5 / 3) ** 2 / (5.25 / 3), rel=1e-6)
     assert old_doc["config"]["convention"] == "verl<=0.7"
+
+
+@pytest.mark.parametrize("args", [[], ["--rollout-is", "sequence", "--rollout-is-threshold", "0.5_5"],
+                                  ["--rollout-is-threshold", "0.5_2.0"], ["--convention", "verl<=0.7"],
+                                  ["--convention", "verl<=0.7", "--rollout-is", "sequence"]])
+def test_verl_rollout_corr_against_the_float64_reference(capsys, dump, args):
+    # The group and the batch functions share their per-token and per-sequence terms: check both prefixes against
+    # verl's definitions recomputed in plain float64 (tests/reference.py), not against each other.
+    path, seqs = dump
+    metrics = run_json(capsys, "analyze", path, "--names", "verl", "--batch-tokens", "50", *args)["metrics"]
+    opts = dict(zip(args[::2], args[1::2]))
+    upper, lower = (5.0, 0.5) if opts.get("--rollout-is-threshold") == "0.5_5" else (
+        (2.0, 0.5) if "--rollout-is-threshold" in opts else (2.0, None))
+    for train, prefix in (("prox", "rollout_corr/"), ("new", "actor/rollout_corr/")):
+        expected = verl_rollout_corr_reference(seqs, train, threshold=upper, lower=lower,
+                                               level=opts.get("--rollout-is", "token"),
+                                               truncate="--convention" not in opts)
+        for key, value in expected.items():
+            assert metrics[prefix + key] == pytest.approx(value, **EXACT), prefix + key
+
+
+def test_verl_rollout_rs_against_the_float64_reference(capsys, dump):
+    path, seqs = dump
+    options = "token_k1,token_k3,seq_sum_k3,seq_mean_k1,seq_mean_k2,seq_max_k2,seq_sum_k1"
+    threshold = "0.5_2.0,0.3,2.0,0.9_1.1,0.05,0.5,0.1_3"
+    metrics = run_json(capsys, "analyze", path, "--names", "verl", "--batch-tokens", "50", "--rollout-rs", options,
+                       "--rollout-rs-threshold", threshold)["metrics"]
+    bounds = {}
+    for option, part in zip(options.split(","), threshold.split(",")):
+        lo, hi = part.split("_") if "_" in part else (None, part)
+        bounds[option] = (None if lo is None else float(lo), float(hi))
+    for train, prefix in (("prox", "rollout_corr/"), ("new", "actor/rollout_corr/")):
+        expected = verl_rollout_rs_reference(seqs, train, bounds)
+        assert len(expected) > 90
+        for key, value in expected.items():
+            assert metrics[prefix + key] == pytest.approx(value, **EXACT), prefix + key
 
 
 def test_verl_older_release_against_the_peer_function(capsys, dump):

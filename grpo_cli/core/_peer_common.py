@@ -1,6 +1,6 @@
 """Shared helpers of the peers' logged figures (:mod:`grpo_cli.core.peer_figures`): padded ``[B, T]`` inputs
 with a bool (or 0/1) mask, elementwise math in the working dtype, sums in float64, masked positions neutralised
-with ``torch.where``."""
+with ``torch.where`` or left out by :func:`pack`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import torch
 from torch import Tensor
 
 from grpo_cli.core._loss_common import as_bool_mask, check_same_shape, compute_dtype
+from grpo_cli.core.packing import cu_seqlens_from_lengths
 
-__all__ = ["F64", "VERL_SAFETY_BOUND", "masked_max", "masked_mean", "masked_min", "prepare", "row_means", "row_sums",
-           "where"]
+__all__ = ["F64", "VERL_SAFETY_BOUND", "masked_max", "masked_mean", "masked_min", "pack", "prepare", "row_means",
+           "row_sums", "where"]
 
 VERL_SAFETY_BOUND = 20.0
 """verl's ``SAFETY_BOUND``: log-ratios are clamped to ±20 before ``exp`` in the rollout-correction helper."""
@@ -29,6 +30,19 @@ def prepare(ref: Tensor, mask: Tensor, **others: Tensor | None) -> tuple[Tensor,
     m = as_bool_mask(mask, "mask")
     check_same_shape("log_probs", ref, mask=m, **others)
     return m, compute_dtype(ref.dtype)
+
+
+def pack(mask: Tensor, *values: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """The valid tokens of padded ``[B, T]`` rows, packed row by row, and their ``cu_seqlens`` (every row is a
+    sequence, an all-masked one empty): the layout the streaming groups see, so that a batch function and its
+    streaming group call the same packed per-token and per-sequence functions.
+
+    Example:
+        >>> cu, (x,) = pack(torch.tensor([[True, False, True], [False, False, False]]), torch.arange(6.0).view(2, 3))
+        >>> cu.tolist(), x.tolist()
+        ([0, 2, 2], [0.0, 2.0])
+    """
+    return cu_seqlens_from_lengths(mask.sum(-1)), [v[mask] for v in values]
 
 
 def where(mask: Tensor, x: Tensor, fill: float = 0.0) -> Tensor:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -16,30 +17,57 @@ from grpo_cli.core._loss_common import (
 from grpo_cli.core._peer_common import (
     F64,
     VERL_SAFETY_BOUND,
-    masked_max,
-    masked_mean,
-    masked_min,
+    pack,
     prepare,
-    row_means,
-    row_sums,
-    where,
 )
 from grpo_cli.core.kl import k3_of_log_weight
+from grpo_cli.core.packing import broadcast_to_tokens, lengths_from_cu_seqlens, segment_max, segment_sum
 
 __all__ = [
     "VERL_RS_OPTIONS",
     "verl_is_spread_values",
+    "verl_is_terms",
     "verl_is_threshold",
     "verl_is_weights",
+    "verl_log_ratio_terms",
     "verl_offpolicy_metrics",
+    "verl_offpolicy_terms",
     "verl_rollout_is",
     "verl_rollout_rs",
     "verl_rs_bounds",
     "verl_rs_keep",
     "verl_rs_options",
     "verl_rs_statistics",
+    "VerlRsOption",
+    "verl_rs_terms",
     "verl_rs_thresholds",
 ]
+
+
+def _mean(x: Tensor) -> float:
+    """Mean of packed values in float64 (the batch functions' masked token or sequence means)."""
+    return float(x.to(F64).sum() / x.numel())
+
+
+def _sequence_means(values: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """Per-sequence means of packed values in float64, 0 for an empty sequence (verl's ``masked_mean(axis=-1)``)."""
+    lengths = lengths_from_cu_seqlens(cu_seqlens).to(values.device)
+    return segment_sum(values, cu_seqlens, F64) / lengths.to(F64).clamp(min=1.0)
+
+
+def verl_log_ratio_terms(train: Tensor, rollout: Tensor, cu_seqlens: Tensor) -> dict[str, Tensor]:
+    """What verl's IS weights and off-policy metrics both read of ``ℓ = train − rollout`` (packed valid tokens, in
+    their dtype): per token ``log_ratio`` (ℓ) and ``ratio`` (``exp(clamp(ℓ, ±20))``), per sequence ``log_sum``
+    (Σℓ in float64, 0 for an empty sequence).
+
+    Example:
+        >>> t = verl_log_ratio_terms(torch.tensor([0.0, 1.0, 2.0]), torch.zeros(3), torch.tensor([0, 2, 3]))
+        >>> t["log_sum"].tolist()
+        [1.0, 2.0]
+    """
+    log_ratio = train - rollout
+    return {"log_ratio": log_ratio, "ratio": torch.exp(log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)),
+            "log_sum": segment_sum(log_ratio, cu_seqlens, F64)}
 
 
 def verl_is_weights(raw: Tensor, threshold: float, threshold_lower: float | None) -> Tensor:
@@ -63,6 +91,54 @@ def verl_is_spread_values(raw: Tensor, weights: Tensor, threshold: float, lower:
     clamped to ``[0, C]`` (verl 0.8 and later, ``truncate``), or the raw ones clamped to ``[lower, C]`` (verl 0.7
     and earlier; ``lower`` = IcePop's bound or ``1/C``)."""
     return weights.clamp(min=0.0, max=threshold) if truncate else raw.clamp(min=lower, max=threshold)
+
+
+def verl_is_terms(
+    log_terms: dict[str, Tensor],
+    cu_seqlens: Tensor,
+    *,
+    level: str = "token",
+    threshold: float = 2.0,
+    threshold_lower: float | None = None,
+    truncate: bool = True,
+) -> dict[str, Tensor]:
+    """verl's rollout IS weights of packed valid tokens and the per-token and per-sequence values its
+    ``rollout_is_*`` metrics reduce (``compute_rollout_correction_weights``, ``compute_is_metrics``). The batch
+    function :func:`verl_rollout_is` and the streaming ``--names verl`` group both call it.
+
+    Args:
+        log_terms: :func:`verl_log_ratio_terms` of the batch.
+        cu_seqlens: ``[B + 1]`` offsets of the packed tokens.
+        level, threshold, threshold_lower, truncate: as in :func:`verl_rollout_is`.
+
+    Returns:
+        Per token: ``weights`` (the processed weights the loss uses), ``stat`` (the weights ``mean``/``max``/``min``
+        describe), ``spread`` (those ``std`` and ESS take), ``oob`` (raw ``w`` outside ``[lo, C]``); ``high`` and
+        ``low`` (raw ``w > C``, ``< lo``) per token, or per sequence at sequence level (its log-sum against
+        ``log C``, ``log lo``). Per sequence (float64): ``seq_log_ratio`` (Σℓ, rounded to the tokens' dtype),
+        ``seq_mean`` (mean of ``stat``), ``seq_deviation`` (``|seq_mean − 1|``), ``seq_high``/``seq_low`` (mean raw
+        ``w`` above ``C``, below ``lo``). ``lo`` is ``threshold_lower`` or ``1/C``.
+    """
+    c, lower = threshold, threshold_lower
+    lo = 1.0 / c if lower is None else lower
+    ratio = log_terms["ratio"]
+    seq_log = log_terms["log_sum"].to(ratio.dtype).to(F64)  # verl's sums are in the log-probs' dtype
+    if level == "sequence":
+        bounded = seq_log.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
+        raw = torch.exp(broadcast_to_tokens(bounded, cu_seqlens, ratio.numel()).to(ratio.dtype))
+        high, low = seq_log > math.log(c), seq_log < (math.log(lo) if lo > 0 else -math.inf)
+    else:
+        raw = ratio
+        high, low = raw > c, raw < lo
+    weights = verl_is_weights(raw, c, lower)
+    stat = weights if truncate else raw
+    seq_mean = _sequence_means(stat, cu_seqlens)
+    seq_raw = _sequence_means(raw, cu_seqlens)
+    return {
+        "weights": weights, "stat": stat, "spread": verl_is_spread_values(raw, weights, c, lo, truncate),
+        "oob": (raw < lo) | (raw > c), "high": high, "low": low, "seq_log_ratio": seq_log, "seq_mean": seq_mean,
+        "seq_deviation": (seq_mean - 1.0).abs(), "seq_high": seq_raw > c, "seq_low": seq_raw < lo,
+    }
 
 
 def verl_rollout_is(
@@ -113,52 +189,38 @@ def verl_rollout_is(
         raise ValueError(f"Invalid rollout_is: {level}. Must be one of {{'token', 'sequence'}}.")
     c = check_real(threshold, "threshold", minimum=0.0, strict=True)
     lo_given = None if threshold_lower is None else check_real(threshold_lower, "threshold_lower", minimum=0.0)
-    lo = 1.0 / c if lo_given is None else lo_given
     m, cd = prepare(old_log_prob, response_mask, rollout_log_prob=rollout_log_prob)
     if not bool(m.any()):
         raise ValueError("response_mask must contain at least one valid token (1).")
-    log_ratio = where(m, old_log_prob.detach().to(cd) - rollout_log_prob.detach().to(cd))
-    if level == "token":
-        log_for_metrics = log_ratio
-        raw = torch.exp(log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND))
+    cu, (train, roll) = pack(m, old_log_prob.detach().to(cd), rollout_log_prob.detach().to(cd))
+    t = verl_is_terms(verl_log_ratio_terms(train, roll, cu), cu, level=level, threshold=c, threshold_lower=lo_given,
+                      truncate=truncate)
+    stat = t["stat"]
+    out: dict[str, float] = {"rollout_is_mean": _mean(stat)}
+    if level == "sequence":  # the extremes are exp of the row log-sums (the max capped at 20), over all rows
+        out["rollout_is_max"] = math.exp(min(float(t["seq_log_ratio"].max()), VERL_SAFETY_BOUND))
+        out["rollout_is_min"] = math.exp(float(t["seq_log_ratio"].min()))
     else:
-        log_for_metrics = log_ratio.to(F64).sum(-1, keepdim=True).to(cd)
-        raw = torch.exp(log_for_metrics.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)).expand_as(log_ratio)
-    raw = where(m, raw)
-    weights = verl_is_weights(raw, c, lo_given)
-    stat_w = weights if truncate else raw
-    out: dict[str, float] = {"rollout_is_mean": masked_mean(stat_w, m)}
-    if level == "sequence":
-        log_c, log_lo = math.log(c), (math.log(lo) if lo > 0 else -math.inf)
-        row_log = log_for_metrics.to(F64).reshape(-1)
-        out["rollout_is_max"] = math.exp(min(float(row_log.max()), VERL_SAFETY_BOUND))
-        out["rollout_is_min"] = math.exp(float(row_log.min()))
-        out["rollout_is_ratio_fraction_high"] = float((row_log > log_c).to(F64).mean())
-        out["rollout_is_ratio_fraction_low"] = float((row_log < log_lo).to(F64).mean())
-    else:
-        out["rollout_is_ratio_fraction_high"] = masked_mean(raw > c, m)
-        out["rollout_is_ratio_fraction_low"] = masked_mean(raw < lo, m)
-        out["rollout_is_max"] = masked_max(stat_w, m)
-        out["rollout_is_min"] = masked_min(stat_w, m)
-    v = verl_is_spread_values(raw, weights, c, lo, truncate)
-    mean_v = masked_mean(v, m)
-    if int(m.sum()) > 1:
-        out["rollout_is_std"] = math.sqrt(max(masked_mean(v.to(F64) ** 2, m) - mean_v**2, 0.0))
-    else:
-        out["rollout_is_std"] = 0.0
-    out["rollout_is_eff_sample_size"] = 1.0 / masked_mean((v.to(F64) / (mean_v + 1e-8)) ** 2, m)
-    seq = row_means(stat_w, m)
+        out["rollout_is_max"], out["rollout_is_min"] = float(stat.max()), float(stat.min())
+    out["rollout_is_ratio_fraction_high"] = _mean(t["high"])
+    out["rollout_is_ratio_fraction_low"] = _mean(t["low"])
+    v = t["spread"].to(F64)
+    mean_v = _mean(v)
+    out["rollout_is_std"] = math.sqrt(max(_mean(v * v) - mean_v**2, 0.0)) if v.numel() > 1 else 0.0
+    out["rollout_is_eff_sample_size"] = 1.0 / _mean((v / (mean_v + 1e-8)) ** 2)
+    seq = t["seq_mean"]
     out["rollout_is_seq_mean"] = float(seq.mean())
     out["rollout_is_seq_std"] = float(seq.std()) if seq.numel() > 1 else 0.0
     out["rollout_is_seq_max"] = float(seq.max())
     out["rollout_is_seq_min"] = float(seq.min())
-    out["rollout_is_seq_max_deviation"] = float((seq - 1.0).abs().max())
-    raw_seq = row_means(raw, m)
-    out["rollout_is_seq_fraction_high"] = float((raw_seq > c).to(F64).mean())
-    out["rollout_is_seq_fraction_low"] = float((raw_seq < lo).to(F64).mean())
+    out["rollout_is_seq_max_deviation"] = float(t["seq_deviation"].max())
+    out["rollout_is_seq_fraction_high"] = _mean(t["seq_high"])
+    out["rollout_is_seq_fraction_low"] = _mean(t["seq_low"])
     if lo_given is not None:
-        out["rollout_is_oob_ratio"] = masked_mean((raw < lo_given) | (raw > c), m)
-    return weights.detach(), out
+        out["rollout_is_oob_ratio"] = _mean(t["oob"])
+    weights = torch.zeros_like(m, dtype=cd)
+    weights[m] = t["weights"]
+    return weights, out
 
 
 def verl_is_threshold(spec: str | float) -> tuple[float, float | None]:
@@ -276,6 +338,70 @@ def verl_rs_keep(stat: Tensor, option: str, low: float, high: float) -> Tensor:
     return (stat >= low) & (stat <= high) if option.endswith("k1") else stat <= high
 
 
+@dataclass(frozen=True)
+class VerlRsOption:
+    """One rejection-sampling option of a batch (:func:`verl_rs_terms`)."""
+
+    low: float
+    """The lower end of the interval the statistic must lie in (:func:`verl_rs_bounds`)."""
+    high: float
+    """Its upper end."""
+    stat: Tensor
+    """Per token: the option's statistic (a sequence option's value repeated over its tokens)."""
+    seq: Tensor
+    """Per sequence (float64): the option's statistic (a token option's: its mean); 0 for an empty sequence."""
+    keep: Tensor
+    """Per token: the option keeps it."""
+    rejected: Tensor
+    """Per sequence: holds a token the option rejects."""
+
+
+def _rejected(keep: Tensor, cu_seqlens: Tensor) -> Tensor:
+    return segment_sum((~keep).to(F64), cu_seqlens, F64) > 0
+
+
+def verl_rs_terms(
+    train: Tensor, rollout: Tensor, cu_seqlens: Tensor, bounds: dict[str, tuple[float | None, float]]
+) -> tuple[dict[str, VerlRsOption], Tensor, Tensor]:
+    """verl's rejection sampling of packed valid tokens (``compute_rollout_rejection_mask``): ``ℓ = clamp(train −
+    rollout, ±20)``, the statistics of :func:`verl_rs_statistics` per token, reduced per sequence by the
+    ``seq_sum``/``seq_mean``/``seq_max`` options. The batch function :func:`verl_rollout_rs` and the streaming
+    ``--names verl`` group both call it.
+
+    Args:
+        train, rollout: ``[N]`` log-probs of the valid tokens (their dtype is the working dtype).
+        cu_seqlens: ``[B + 1]`` offsets.
+        bounds: ``{option: (lower, upper)}`` of :func:`verl_rs_thresholds`.
+
+    Returns:
+        ``(options, keep, rejected)``: each option's :class:`VerlRsOption`, then where all options together keep a
+        token and which sequences hold a token any option rejects.
+    """
+    log_ratio = (train - rollout).clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
+    per_token = verl_rs_statistics(log_ratio)
+    has = lengths_from_cu_seqlens(cu_seqlens).to(log_ratio.device) > 0
+    n_tok = log_ratio.numel()
+    keep_all = torch.ones(n_tok, dtype=torch.bool, device=log_ratio.device)
+    out: dict[str, VerlRsOption] = {}
+    for option, (lower, upper) in bounds.items():
+        low, high = verl_rs_bounds(option, lower, upper)
+        values = per_token[option[-2:]]
+        if option.startswith("token"):
+            seq, stat = _sequence_means(values, cu_seqlens), values
+        else:
+            if option.startswith("seq_sum"):
+                seq = segment_sum(values, cu_seqlens, F64)
+            elif option.startswith("seq_mean"):
+                seq = _sequence_means(values, cu_seqlens)
+            else:
+                seq = torch.where(has, segment_max(values, cu_seqlens).to(F64), 0.0)
+            stat = broadcast_to_tokens(seq, cu_seqlens, n_tok).to(values.dtype)
+        keep = verl_rs_keep(stat, option, low, high)
+        keep_all &= keep
+        out[option] = VerlRsOption(low, high, stat, seq, keep, _rejected(keep, cu_seqlens))
+    return out, keep_all, _rejected(keep_all, cu_seqlens)
+
+
 def verl_rollout_rs(
     old_log_prob: Tensor,
     rollout_log_prob: Tensor,
@@ -322,46 +448,23 @@ def verl_rollout_rs(
     m, cd = prepare(old_log_prob, response_mask, rollout_log_prob=rollout_log_prob)
     if not bool(m.any()):
         raise ValueError("response_mask must contain at least one valid token (1).")
-    log_ratio = where(m, old_log_prob.detach().to(cd) - rollout_log_prob.detach().to(cd))
-    log_ratio = log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
-    per_token = verl_rs_statistics(log_ratio)
+    cu, (train, roll) = pack(m, old_log_prob.detach().to(cd), rollout_log_prob.detach().to(cd))
+    terms, keep_all, rejected_all = verl_rs_terms(train, roll, cu, bounds)
     has = m.any(-1)
-    keep_all = torch.ones_like(m)
     out: dict[str, float] = {}
-    for option in options:
-        lo_t, hi_t = verl_rs_bounds(option, *bounds[option])
-        k1 = option.endswith("k1")
-        values = per_token[option[-2:]]
-        if option.startswith("token"):
-            stat = values
-            seq_values = row_means(stat, m)
-        else:
-            if option.startswith("seq_sum"):
-                seq_values = row_sums(values, m)
-            elif option.startswith("seq_mean"):
-                seq_values = row_means(values, m)
-            else:
-                seq_values = where(m, values.to(F64), -math.inf).max(-1).values
-                seq_values = torch.where(torch.isinf(seq_values), torch.zeros_like(seq_values), seq_values)
-            stat = seq_values.to(cd)[:, None].expand_as(values)
-        keep = verl_rs_keep(stat, option, lo_t, hi_t)
-        keep_all = keep_all & keep
+    for option, t in terms.items():
         p = f"rollout_rs_{option}"
-        valid_seq = seq_values[has]
-        sequence_level = not option.startswith("token")
-        out[f"{p}_mean"] = masked_mean(stat, m)
-        if sequence_level:
-            out[f"{p}_max"], out[f"{p}_min"] = float(valid_seq.max()), float(valid_seq.min())
-            out[f"{p}_fraction_high"] = float((valid_seq > hi_t).to(F64).mean())
-            out[f"{p}_fraction_low"] = float((valid_seq < lo_t).to(F64).mean()) if k1 else 0.0
-        else:
-            out[f"{p}_max"], out[f"{p}_min"] = masked_max(stat, m), masked_min(stat, m)
-            out[f"{p}_fraction_high"] = masked_mean(stat > hi_t, m)
-            out[f"{p}_fraction_low"] = masked_mean(stat < lo_t, m) if k1 else 0.0
-        if int(m.sum()) > 1:
-            clamped = stat.to(F64).clamp(min=lo_t, max=hi_t)
-            mean_c = masked_mean(clamped, m)
-            out[f"{p}_std"] = math.sqrt(max(masked_mean(clamped * clamped, m) - mean_c**2, 0.0))
+        k1 = option.endswith("k1")
+        valid_seq = t.seq[has]
+        units = t.stat if option.startswith("token") else valid_seq  # what max, min and the fractions run over
+        out[f"{p}_mean"] = _mean(t.stat)
+        out[f"{p}_max"], out[f"{p}_min"] = float(units.max()), float(units.min())
+        out[f"{p}_fraction_high"] = _mean(units > t.high)
+        out[f"{p}_fraction_low"] = _mean(units < t.low) if k1 else 0.0
+        if t.stat.numel() > 1:
+            clamped = t.stat.to(F64).clamp(min=t.low, max=t.high)
+            mean_c = _mean(clamped)
+            out[f"{p}_std"] = math.sqrt(max(_mean(clamped * clamped) - mean_c**2, 0.0))
         else:
             out[f"{p}_std"] = 0.0
         out[f"{p}_seq_mean"] = float(valid_seq.mean())
@@ -369,14 +472,52 @@ def verl_rollout_rs(
         out[f"{p}_seq_max"] = float(valid_seq.max())
         out[f"{p}_seq_min"] = float(valid_seq.min())
         out[f"{p}_seq_max_deviation"] = float(valid_seq.abs().max())
-        out[f"{p}_seq_fraction_high"] = float((valid_seq > hi_t).to(F64).mean())
+        out[f"{p}_seq_fraction_high"] = _mean(valid_seq > t.high)
         if k1:
-            out[f"{p}_seq_fraction_low"] = float((valid_seq < lo_t).to(F64).mean())
-        out[f"{p}_masked_fraction"] = masked_mean(~keep, m)
-        out[f"{p}_seq_masked_fraction"] = float((~keep & m).any(-1)[has].to(F64).mean())
-    out["rollout_rs_masked_fraction"] = masked_mean(~keep_all, m)
-    out["rollout_rs_seq_masked_fraction"] = float((~keep_all & m).any(-1).to(F64).mean())
-    return m & keep_all, out
+            out[f"{p}_seq_fraction_low"] = _mean(valid_seq < t.low)
+        out[f"{p}_masked_fraction"] = _mean(~t.keep)
+        out[f"{p}_seq_masked_fraction"] = _mean(t.rejected[has])
+    out["rollout_rs_masked_fraction"] = _mean(~keep_all)
+    out["rollout_rs_seq_masked_fraction"] = _mean(rejected_all)
+    kept = torch.zeros_like(m)
+    kept[m] = keep_all
+    return kept, out
+
+
+def verl_offpolicy_terms(
+    train: Tensor, rollout: Tensor | None, cu_seqlens: Tensor, log_terms: dict[str, Tensor] | None = None
+) -> dict[str, Tensor]:
+    """The per-token and per-sequence values verl's ``compute_offpolicy_metrics`` averages, of packed valid
+    tokens. The batch function :func:`verl_offpolicy_metrics` and the streaming ``--names verl`` group both call it.
+
+    Args:
+        train, rollout: ``[N]`` log-probs of the valid tokens (``rollout`` None: only the training perplexities).
+        cu_seqlens: ``[B + 1]`` offsets.
+        log_terms: :func:`verl_log_ratio_terms` of ``train`` and ``rollout`` when the caller has them already.
+
+    Returns:
+        Keyed by verl's figure: per token ``kl`` (``−ℓ``), ``k3_kl`` (``e^ℓ − ℓ − 1``), ``chi2_token`` (``ρ²``,
+        ``ρ = exp(clamp(ℓ, ±20))``); per sequence (float64; μ the sequence means of the log-probs, 0 when empty)
+        ``training_ppl`` (``exp(−μ_train)``), ``training_log_ppl`` (``−μ_train``), ``rollout_ppl``,
+        ``rollout_log_ppl``, ``log_ppl_diff`` (``μ_rollout − μ_train``), ``log_ppl_abs_diff``, ``ppl_ratio``
+        (``exp`` of the difference), ``chi2_seq`` (``exp(2·clamp(Σℓ, ±20))``). Each figure is the mean of its
+        values (the two χ² less 1).
+    """
+    mu_train = _sequence_means(train, cu_seqlens)
+    out = {"training_ppl": torch.exp(-mu_train), "training_log_ppl": -mu_train}
+    if rollout is None:
+        return out
+    lt = verl_log_ratio_terms(train, rollout, cu_seqlens) if log_terms is None else log_terms
+    log_ratio, ratio = lt["log_ratio"], lt["ratio"]
+    mu_rollout = _sequence_means(rollout, cu_seqlens)
+    diff = mu_rollout - mu_train
+    out.update({
+        "kl": -log_ratio, "k3_kl": k3_of_log_weight(log_ratio), "chi2_token": ratio * ratio,
+        "rollout_ppl": torch.exp(-mu_rollout), "rollout_log_ppl": -mu_rollout, "log_ppl_diff": diff,
+        "log_ppl_abs_diff": diff.abs(), "ppl_ratio": torch.exp(diff),
+        "chi2_seq": torch.exp(2.0 * lt["log_sum"].clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)),
+    })
+    return out
 
 
 def verl_offpolicy_metrics(
@@ -405,29 +546,18 @@ def verl_offpolicy_metrics(
     m, cd = prepare(old_log_prob, response_mask, rollout_log_prob=rollout_log_prob)
     if not bool(m.any()):
         raise ValueError("Expected at least one valid token in response_mask")
-    old = where(m, old_log_prob.detach().to(cd))
-    mu_old = row_means(old, m)
-    out = {
-        "training_ppl": float(torch.exp(-mu_old).mean()),
-        "training_log_ppl": float((-mu_old).mean()),
-    }
-    if rollout_log_prob is None:
+    cu, (train,) = pack(m, old_log_prob.detach().to(cd))
+    roll = None if rollout_log_prob is None else pack(m, rollout_log_prob.detach().to(cd))[1][0]
+    t = verl_offpolicy_terms(train, roll, cu)
+    out = {key: float(t[key].mean()) for key in ("training_ppl", "training_log_ppl")}  # over all rows
+    if roll is None:
         return out
-    roll = where(m, rollout_log_prob.detach().to(cd))
-    log_ratio = old - roll
-    out["kl"] = masked_mean(-log_ratio, m)
-    out["k3_kl"] = masked_mean(k3_of_log_weight(log_ratio), m)
-    mu_roll = row_means(roll, m)
-    out["rollout_ppl"] = float(torch.exp(-mu_roll).mean())
-    out["rollout_log_ppl"] = float((-mu_roll).mean())
-    diff = mu_roll - mu_old
-    out["log_ppl_diff"] = float(diff.mean())
-    out["log_ppl_abs_diff"] = float(diff.abs().mean())
-    out["log_ppl_diff_max"] = float(diff.max())
-    out["log_ppl_diff_min"] = float(diff.min())
-    out["ppl_ratio"] = float(torch.exp(diff).mean())
-    rho = torch.exp(log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)).to(F64)
-    out["chi2_token"] = masked_mean(rho * rho, m) - 1.0
-    seq_log = row_sums(log_ratio, m).clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
-    out["chi2_seq"] = float(torch.exp(2.0 * seq_log).mean()) - 1.0
+    out["kl"], out["k3_kl"] = _mean(t["kl"]), _mean(t["k3_kl"])  # token means
+    for key in ("rollout_ppl", "rollout_log_ppl", "log_ppl_diff", "log_ppl_abs_diff"):
+        out[key] = float(t[key].mean())
+    out["log_ppl_diff_max"] = float(t["log_ppl_diff"].max())
+    out["log_ppl_diff_min"] = float(t["log_ppl_diff"].min())
+    out["ppl_ratio"] = float(t["ppl_ratio"].mean())
+    out["chi2_token"] = _mean(t["chi2_token"]) - 1.0
+    out["chi2_seq"] = float(t["chi2_seq"].mean()) - 1.0
     return out

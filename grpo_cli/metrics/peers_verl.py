@@ -11,22 +11,19 @@ from torch import Tensor
 
 from grpo_cli._choices import VERL_RS_OPTIONS
 from grpo_cli.core.batch import TokenBatch
-from grpo_cli.core.kl import k3_of_log_weight
-from grpo_cli.core.packing import broadcast_to_tokens, lengths_from_cu_seqlens, segment_max, segment_sum
+from grpo_cli.core.packing import lengths_from_cu_seqlens
 from grpo_cli.core.peer_figures import VERL_SAFETY_BOUND, verl_rs_options, verl_rs_thresholds
 from grpo_cli.core.peer_verl_rollout import (
-    verl_is_spread_values,
-    verl_is_weights,
-    verl_rs_bounds,
-    verl_rs_keep,
-    verl_rs_statistics,
+    verl_is_terms,
+    verl_log_ratio_terms,
+    verl_offpolicy_terms,
+    verl_rs_terms,
 )
 from grpo_cli.core.state import MetricState, StateSpec, count, maximum, minimum, total
 from grpo_cli.engine.figures import Figure, Requirement, column
 from grpo_cli.engine.group import MetricGroup
 from grpo_cli.metrics._peers_common import (
     DECOUPLED,
-    F64,
     f64,
     under,
 )
@@ -152,35 +149,15 @@ def _rs_specs(p: str, bounds: dict[str, tuple[float | None, float]]) -> dict[str
 
 def _rs_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu: Tensor,
                bounds: dict[str, tuple[float | None, float]]) -> None:
-    """Fold verl's rejection-sampling sums of one batch: ℓ = clamp(train − rollout, ±20), k1 = −ℓ, k2 = ℓ²/2,
-    k3 = e^ℓ − 1 − ℓ; token options per token, ``seq_sum``/``seq_mean``/``seq_max`` per sequence."""
-    log_ratio = (f64(train) - f64(rollout)).clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
-    per_token = verl_rs_statistics(log_ratio)
-    lengths = lengths_from_cu_seqlens(cu).to(log_ratio.device)
-    has = lengths > 0
-    denom = lengths.to(F64).clamp(min=1.0)
-    n_tok = log_ratio.numel()
-    zero = torch.zeros((), dtype=torch.int64, device=log_ratio.device)
-    keep_all = torch.ones(n_tok, dtype=torch.bool, device=log_ratio.device)
+    """Fold verl's rejection-sampling sums of one batch (the statistics of :func:`verl_rs_terms`)."""
+    options, keep_all, rejected_all = verl_rs_terms(f64(train), f64(rollout), cu, bounds)
+    has = lengths_from_cu_seqlens(cu).to(keep_all.device) > 0
+    zero = torch.zeros((), dtype=torch.int64, device=keep_all.device)
     upd: dict[str, Tensor] = {"rows_ne": has.sum()}
-    for option, (lower, upper) in bounds.items():
+    for option, t in options.items():
         k1 = option.endswith("k1")
-        lo_t, hi_t = verl_rs_bounds(option, lower, upper)
-        values = per_token[option[-2:]]
-        if option.startswith("token"):
-            seq_values = segment_sum(values, cu, F64) / denom
-            stat = values
-        else:
-            if option.startswith("seq_sum"):
-                seq_values = segment_sum(values, cu, F64)
-            elif option.startswith("seq_mean"):
-                seq_values = segment_sum(values, cu, F64) / denom
-            else:
-                seq_values = torch.where(has, segment_max(values, cu), 0.0)
-            stat = broadcast_to_tokens(seq_values, cu, n_tok)
-        keep = verl_rs_keep(stat, option, lo_t, hi_t)
-        keep_all &= keep
-        sv = seq_values[has]
+        lo_t, hi_t, stat = t.low, t.high, t.stat
+        sv = t.seq[has]
         extreme = stat if option.startswith("token") else sv
         clamped = stat.clamp(min=lo_t, max=hi_t)
         q = f"rs_{option}_"
@@ -188,15 +165,15 @@ def _rs_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu: T
             q + "sum": stat.sum(), q + "c": clamped.sum(), q + "c2": (clamped * clamped).sum(),
             q + "hi": (extreme > hi_t).sum(), q + "lo": (extreme < lo_t).sum() if k1 else zero,
             q + "seq": sv.sum(), q + "seq2": (sv * sv).sum(), q + "seq_hi": (sv > hi_t).sum(),
-            q + "seq_lo": (sv < lo_t).sum() if k1 else zero, q + "masked": (~keep).sum(),
-            q + "seq_masked": ((segment_sum((~keep).to(F64), cu, F64) > 0) & has).sum(),
+            q + "seq_lo": (sv < lo_t).sum() if k1 else zero, q + "masked": (~t.keep).sum(),
+            q + "seq_masked": t.rejected.sum(),
         })
         if extreme.numel():
             upd.update({q + "max": extreme.max(), q + "min": extreme.min()})
         if sv.numel():
             upd.update({q + "seq_max": sv.max(), q + "seq_min": sv.min(), q + "seq_dev": sv.abs().max()})
     upd["rs_masked"] = (~keep_all).sum()
-    upd["rs_seq_masked"] = (segment_sum((~keep_all).to(F64), cu, F64) > 0).sum()
+    upd["rs_seq_masked"] = rejected_all.sum()
     state.update(**{p + k: v for k, v in upd.items()})
 
 
@@ -277,42 +254,26 @@ def _verl_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu:
     ``truncate``: verl 0.8 and later take the IS statistics of the processed weights; ``False`` is verl 0.7 and
     earlier (mean, extrema and per-sequence figures of the raw w, std and ESS of clamp(w, lower or 1/C, C))."""
     t, r = f64(train), f64(rollout)
-    lengths = lengths_from_cu_seqlens(cu).to(t.device)
-    n_rows = lengths.numel()
-    denom = lengths.to(F64).clamp(min=1.0)
-    log_ratio = t - r
-    lo = 1.0 / c if lower is None else lower
-    row_log = segment_sum(log_ratio, cu, F64)  # Σ ℓ per sequence (0 for an empty one)
-    rho = torch.exp(log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND))  # per-token ratio (chi2_token)
-    if level == "sequence":
-        raw = torch.exp(broadcast_to_tokens(row_log.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND), cu, t.numel()))
-        n_high, n_low = (row_log > math.log(c)).sum(), (row_log < math.log(lo)).sum()
-    else:
-        raw = rho
-        n_high, n_low = (raw > c).sum(), (raw < lo).sum()
-    weights = verl_is_weights(raw, c, lower)
-    w = weights if truncate else raw
-    v = verl_is_spread_values(raw, weights, c, lo, truncate)
-    row_w = segment_sum(w, cu, F64) / denom
-    row_raw = segment_sum(raw, cu, F64) / denom
-    mu_t = segment_sum(t, cu, F64) / denom
-    mu_r = segment_sum(r, cu, F64) / denom
-    diff = mu_r - mu_t
-    seq_log = row_log.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
+    log_terms = verl_log_ratio_terms(t, r, cu)
+    weights = verl_is_terms(log_terms, cu, level=level, threshold=c, threshold_lower=lower, truncate=truncate)
+    off = verl_offpolicy_terms(t, r, cu, log_terms)
+    w, v, row_w, row_log = weights["stat"], weights["spread"], weights["seq_mean"], weights["seq_log_ratio"]
+    n_rows = row_w.numel()
+    diff = off["log_ppl_diff"]
     upd: dict[str, Tensor] = {
         "n": torch.tensor(t.numel()), "w": w.sum(), "v": v.sum(), "v2": (v * v).sum(),
-        "n_high": n_high, "n_low": n_low, "n_oob": ((raw < lo) | (raw > c)).sum(),
+        "n_high": weights["high"].sum(), "n_low": weights["low"].sum(), "n_oob": weights["oob"].sum(),
         "rows": torch.tensor(n_rows), "r": row_w.sum(), "r2": (row_w * row_w).sum(),
-        "rows_high": (row_raw > c).sum(), "rows_low": (row_raw < lo).sum(),
-        "ppl_t": torch.exp(-mu_t).sum(), "lppl_t": (-mu_t).sum(), "kl": (-log_ratio).sum(),
-        "k3": k3_of_log_weight(log_ratio).sum(), "ppl_r": torch.exp(-mu_r).sum(), "lppl_r": (-mu_r).sum(),
-        "diff": diff.sum(), "adiff": diff.abs().sum(), "pplratio": torch.exp(diff).sum(),
-        "rho2": (rho * rho).sum(), "chi2seq": torch.exp(2.0 * seq_log).sum(),
+        "rows_high": weights["seq_high"].sum(), "rows_low": weights["seq_low"].sum(),
+        "ppl_t": off["training_ppl"].sum(), "lppl_t": off["training_log_ppl"].sum(), "kl": off["kl"].sum(),
+        "k3": off["k3_kl"].sum(), "ppl_r": off["rollout_ppl"].sum(), "lppl_r": off["rollout_log_ppl"].sum(),
+        "diff": diff.sum(), "adiff": off["log_ppl_abs_diff"].sum(), "pplratio": off["ppl_ratio"].sum(),
+        "rho2": off["chi2_token"].sum(), "chi2seq": off["chi2_seq"].sum(),
     }
     if t.numel():
         upd.update(w_max=w.max(), w_min=w.min())
     if n_rows:
-        upd.update(r_max=row_w.max(), r_min=row_w.min(), dev_max=(row_w - 1.0).abs().max(), diff_max=diff.max(),
+        upd.update(r_max=row_w.max(), r_min=row_w.min(), dev_max=weights["seq_deviation"].max(), diff_max=diff.max(),
                    diff_min=diff.min(), lr_max=row_log.max(), lr_min=row_log.min())
     state.update(**{p + k: v for k, v in upd.items()})
 
