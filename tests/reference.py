@@ -585,3 +585,57 @@ def verl_rollout_rs_reference(
     out["rollout_rs_masked_fraction"] = sum(not k for row in keep_all for k in row) / n_tokens
     out["rollout_rs_seq_masked_fraction"] = _mean([float(not all(row)) for row in keep_all])
     return out
+
+
+def trl_reference(
+    seqs: list[Seq], *, level: str = "token", eps: float = 0.2, eps_high: float | None = None,
+    advantages: list[list[float]] | None = None, mode: str = "sequence_mask", clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> dict[str, float]:
+    """TRL 1.16's logged ``clip_ratio/*``, ``cispo_clip_ratio``, ``kl`` and ``sampling/*`` of one batch (no
+    micro-batches), as ``--names trl`` reads a dump: ``coef_1 = exp(new − base)`` (base = prox, else old) per token,
+    or exp of the sequence's mean log-ratio; advantages one per sequence (TRL's ``(B,)``) unless ``advantages``
+    gives them per token (``(B, T)``); TRL's CISPO cap = 1 + ``eps_high``; the vLLM ratio of prox against old."""
+    eps_high = eps if eps_high is None else eps_high
+    per_sequence = level == "sequence" and advantages is None
+    low, high, low_frac, high_frac, kl = [], [], [], [], []
+    ratios, diffs = [], []
+    for i, s in enumerate(seqs):
+        v = s.valid()
+        base = s.prox if s.prox is not None else s.old
+        lrs = [float(s.new[t]) - float(base[t]) for t in v]
+        coefs = [math.exp(x) for x in lrs] if level == "token" else [math.exp(_mean(lrs) if lrs else 0.0)] * len(v)
+        ys = [float(s.ref[t]) - float(s.new[t]) for t in v]
+        kl += [(math.exp(y) - y - 1.0) * c for y, c in zip(ys, coefs)]
+        if per_sequence:  # one indicator per sequence, an empty one with ratio 1
+            c, a = (coefs[0] if coefs else 1.0), s.advantage
+            lo, hi = float(c < 1 - eps and a < 0), float(c > 1 + eps_high and a > 0)
+            low.append(lo)
+            high.append(hi)
+            low_frac.append(lo)
+            high_frac.append(hi)
+        else:
+            adv = [s.advantage] * len(v) if advantages is None else [float(advantages[i][t]) for t in v]
+            lo_t = [float(c < 1 - eps and a < 0) for c, a in zip(coefs, adv)]
+            hi_t = [float(c > 1 + eps_high and a > 0) for c, a in zip(coefs, adv)]
+            low += lo_t
+            high += hi_t
+            if v:
+                low_frac.append(_mean(lo_t))
+                high_frac.append(_mean(hi_t))
+        deltas = [float(s.prox[t]) - float(s.old[t]) for t in v]
+        diffs += [abs(d) for d in deltas]
+        raw = [math.exp(sum(deltas))] if mode.startswith("sequence") else [math.exp(d) for d in deltas]
+        lo_b = -math.inf if clip_min is None else clip_min
+        hi_b = math.inf if clip_max is None else clip_max
+        ratios += ([min(max(r, lo_b), hi_b) for r in raw] if mode.endswith("truncate")
+                   else [r if lo_b <= r <= hi_b else 0.0 for r in raw])
+    return {
+        "clip_ratio/low_mean": _mean(low), "clip_ratio/high_mean": _mean(high),
+        "clip_ratio/region_mean": _mean([a + b for a, b in zip(low, high)]),
+        "clip_ratio/low_min": min(low_frac), "clip_ratio/high_max": max(high_frac),
+        "cispo_clip_ratio": _mean(high), "kl": _mean(kl),
+        "sampling/sampling_logp_difference/mean": _mean(diffs), "sampling/sampling_logp_difference/max": max(diffs),
+        "sampling/importance_sampling_ratio/min": min(ratios), "sampling/importance_sampling_ratio/mean": _mean(ratios),
+        "sampling/importance_sampling_ratio/max": max(ratios),
+    }

@@ -16,7 +16,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from reference import random_sequences, verl_rollout_corr_reference, verl_rollout_rs_reference, write_sequences
+from reference import (
+    random_sequences,
+    trl_reference,
+    verl_rollout_corr_reference,
+    verl_rollout_rs_reference,
+    write_sequences,
+)
 
 from grpo_cli.cli import main
 from grpo_cli.core.peer_figures import (
@@ -247,6 +253,27 @@ def test_trl_figures(capsys, dump, level):
     check(metrics, trl_sampling_metrics(prox, old, mask)[1], "sampling/")
 
 
+@pytest.mark.parametrize(("level", "args"), [("token", []), ("sequence", []),
+                                           ("token", ["--vllm-is-mode", "token_truncate", "--vllm-is-clip-min", "0.9"]),
+                                           ("sequence", ["--vllm-is-mode", "sequence_truncate",
+                                                         "--vllm-is-clip-max", "1.2"]),
+                                           ("token", ["--vllm-is-mode", "token_mask", "--vllm-is-clip-max", "1.1"])])
+def test_trl_figures_against_the_float64_reference(capsys, dump, level, args):
+    # The group and the batch functions share their per-token and per-sequence terms: check the group against
+    # TRL's definitions recomputed in plain float64 (tests/reference.py), not against the batch functions.
+    path, seqs = dump
+    metrics = run_json(capsys, "analyze", path, "--names", "trl", "--epsilon", "0.05", "--epsilon-high", "0.08",
+                       "--importance-level", level, "--batch-tokens", "50", *args)["metrics"]
+    opts = dict(zip(args[::2], args[1::2]))
+    expected = trl_reference(seqs, level=level, eps=0.05, eps_high=0.08,
+                             mode=opts.get("--vllm-is-mode", "sequence_mask"),
+                             clip_min=float(opts["--vllm-is-clip-min"]) if "--vllm-is-clip-min" in opts else None,
+                             clip_max=float(opts.get("--vllm-is-clip-max", 3.0)))
+    assert 0 < expected["clip_ratio/low_mean"] < 1 and 0 < expected["clip_ratio/high_mean"] < 1
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, **EXACT), key
+
+
 def test_trl_sequence_level_clip_ratios_with_per_token_advantages(capsys, tmp_path):
     # A per-token advantages column is TRL's (B, T) advantages: at sequence level TRL compares the sequence ratio
     # with each token's advantage and takes token means (not one indicator per sequence at its first token).
@@ -267,6 +294,10 @@ def test_trl_sequence_level_clip_ratios_with_per_token_advantages(capsys, tmp_pa
     adv = torch.tensor([list(a) + [0.0] * (width - len(a)) for a in per_token])
     expected = trl_clip_ratio_metrics(new, prox, adv, mask, epsilon_low=0.05, importance_sampling_level="sequence")
     check(metrics, expected, "clip_ratio/")
+    reference = trl_reference(seqs, level="sequence", eps=0.05, advantages=per_token)
+    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+                "clip_ratio/high_max", "cispo_clip_ratio", "kl"):
+        assert metrics[key] == pytest.approx(reference[key], **EXACT), key
     # the token means differ from the per-sequence reading (advantage at each sequence's first token)
     first = trl_clip_ratio_metrics(new, prox, adv[:, 0], mask, epsilon_low=0.05, importance_sampling_level="sequence")
     assert abs(first["low_mean"] - expected["low_mean"]) > 1e-3

@@ -12,8 +12,8 @@ from torch import Tensor
 from grpo_cli.core._loss_common import as_bool_mask, check_same_shape, compute_dtype
 from grpo_cli.core.packing import cu_seqlens_from_lengths
 
-__all__ = ["F64", "VERL_SAFETY_BOUND", "masked_max", "masked_mean", "masked_min", "pack", "prepare", "row_means",
-           "row_sums", "where"]
+__all__ = ["F64", "VERL_SAFETY_BOUND", "masked_max", "masked_mean", "masked_min", "pack", "packed_mean", "prepare",
+           "row_means", "row_sums", "where"]
 
 VERL_SAFETY_BOUND = 20.0
 """verl's ``SAFETY_BOUND``: log-ratios are clamped to ±20 before ``exp`` in the rollout-correction helper."""
@@ -43,6 +43,12 @@ def pack(mask: Tensor, *values: Tensor) -> tuple[Tensor, list[Tensor]]:
         ([0, 2, 2], [0.0, 2.0])
     """
     return cu_seqlens_from_lengths(mask.sum(-1)), [v[mask] for v in values]
+
+
+def packed_mean(x: Tensor) -> float:
+    """Mean of packed values (valid tokens, or one value per sequence) in float64, 0 when there are none (as
+    :func:`masked_mean`)."""
+    return float(x.to(F64).sum() / x.numel()) if x.numel() else 0.0
 
 
 def where(mask: Tensor, x: Tensor, fill: float = 0.0) -> Tensor:

@@ -18,6 +18,7 @@ from grpo_cli.core._peer_common import (
     F64,
     VERL_SAFETY_BOUND,
     pack,
+    packed_mean,
     prepare,
 )
 from grpo_cli.core.kl import k3_of_log_weight
@@ -42,11 +43,6 @@ __all__ = [
     "verl_rs_terms",
     "verl_rs_thresholds",
 ]
-
-
-def _mean(x: Tensor) -> float:
-    """Mean of packed values in float64 (the batch functions' masked token or sequence means)."""
-    return float(x.to(F64).sum() / x.numel())
 
 
 def _sequence_means(values: Tensor, cu_seqlens: Tensor) -> Tensor:
@@ -196,28 +192,28 @@ def verl_rollout_is(
     t = verl_is_terms(verl_log_ratio_terms(train, roll, cu), cu, level=level, threshold=c, threshold_lower=lo_given,
                       truncate=truncate)
     stat = t["stat"]
-    out: dict[str, float] = {"rollout_is_mean": _mean(stat)}
+    out: dict[str, float] = {"rollout_is_mean": packed_mean(stat)}
     if level == "sequence":  # the extremes are exp of the row log-sums (the max capped at 20), over all rows
         out["rollout_is_max"] = math.exp(min(float(t["seq_log_ratio"].max()), VERL_SAFETY_BOUND))
         out["rollout_is_min"] = math.exp(float(t["seq_log_ratio"].min()))
     else:
         out["rollout_is_max"], out["rollout_is_min"] = float(stat.max()), float(stat.min())
-    out["rollout_is_ratio_fraction_high"] = _mean(t["high"])
-    out["rollout_is_ratio_fraction_low"] = _mean(t["low"])
+    out["rollout_is_ratio_fraction_high"] = packed_mean(t["high"])
+    out["rollout_is_ratio_fraction_low"] = packed_mean(t["low"])
     v = t["spread"].to(F64)
-    mean_v = _mean(v)
-    out["rollout_is_std"] = math.sqrt(max(_mean(v * v) - mean_v**2, 0.0)) if v.numel() > 1 else 0.0
-    out["rollout_is_eff_sample_size"] = 1.0 / _mean((v / (mean_v + 1e-8)) ** 2)
+    mean_v = packed_mean(v)
+    out["rollout_is_std"] = math.sqrt(max(packed_mean(v * v) - mean_v**2, 0.0)) if v.numel() > 1 else 0.0
+    out["rollout_is_eff_sample_size"] = 1.0 / packed_mean((v / (mean_v + 1e-8)) ** 2)
     seq = t["seq_mean"]
     out["rollout_is_seq_mean"] = float(seq.mean())
     out["rollout_is_seq_std"] = float(seq.std()) if seq.numel() > 1 else 0.0
     out["rollout_is_seq_max"] = float(seq.max())
     out["rollout_is_seq_min"] = float(seq.min())
     out["rollout_is_seq_max_deviation"] = float(t["seq_deviation"].max())
-    out["rollout_is_seq_fraction_high"] = _mean(t["seq_high"])
-    out["rollout_is_seq_fraction_low"] = _mean(t["seq_low"])
+    out["rollout_is_seq_fraction_high"] = packed_mean(t["seq_high"])
+    out["rollout_is_seq_fraction_low"] = packed_mean(t["seq_low"])
     if lo_given is not None:
-        out["rollout_is_oob_ratio"] = _mean(t["oob"])
+        out["rollout_is_oob_ratio"] = packed_mean(t["oob"])
     weights = torch.zeros_like(m, dtype=cd)
     weights[m] = t["weights"]
     return weights, out
@@ -457,14 +453,14 @@ def verl_rollout_rs(
         k1 = option.endswith("k1")
         valid_seq = t.seq[has]
         units = t.stat if option.startswith("token") else valid_seq  # what max, min and the fractions run over
-        out[f"{p}_mean"] = _mean(t.stat)
+        out[f"{p}_mean"] = packed_mean(t.stat)
         out[f"{p}_max"], out[f"{p}_min"] = float(units.max()), float(units.min())
-        out[f"{p}_fraction_high"] = _mean(units > t.high)
-        out[f"{p}_fraction_low"] = _mean(units < t.low) if k1 else 0.0
+        out[f"{p}_fraction_high"] = packed_mean(units > t.high)
+        out[f"{p}_fraction_low"] = packed_mean(units < t.low) if k1 else 0.0
         if t.stat.numel() > 1:
             clamped = t.stat.to(F64).clamp(min=t.low, max=t.high)
-            mean_c = _mean(clamped)
-            out[f"{p}_std"] = math.sqrt(max(_mean(clamped * clamped) - mean_c**2, 0.0))
+            mean_c = packed_mean(clamped)
+            out[f"{p}_std"] = math.sqrt(max(packed_mean(clamped * clamped) - mean_c**2, 0.0))
         else:
             out[f"{p}_std"] = 0.0
         out[f"{p}_seq_mean"] = float(valid_seq.mean())
@@ -472,13 +468,13 @@ def verl_rollout_rs(
         out[f"{p}_seq_max"] = float(valid_seq.max())
         out[f"{p}_seq_min"] = float(valid_seq.min())
         out[f"{p}_seq_max_deviation"] = float(valid_seq.abs().max())
-        out[f"{p}_seq_fraction_high"] = _mean(valid_seq > t.high)
+        out[f"{p}_seq_fraction_high"] = packed_mean(valid_seq > t.high)
         if k1:
-            out[f"{p}_seq_fraction_low"] = _mean(valid_seq < t.low)
-        out[f"{p}_masked_fraction"] = _mean(~t.keep)
-        out[f"{p}_seq_masked_fraction"] = _mean(t.rejected[has])
-    out["rollout_rs_masked_fraction"] = _mean(~keep_all)
-    out["rollout_rs_seq_masked_fraction"] = _mean(rejected_all)
+            out[f"{p}_seq_fraction_low"] = packed_mean(valid_seq < t.low)
+        out[f"{p}_masked_fraction"] = packed_mean(~t.keep)
+        out[f"{p}_seq_masked_fraction"] = packed_mean(t.rejected[has])
+    out["rollout_rs_masked_fraction"] = packed_mean(~keep_all)
+    out["rollout_rs_seq_masked_fraction"] = packed_mean(rejected_all)
     kept = torch.zeros_like(m)
     kept[m] = keep_all
     return kept, out
@@ -552,12 +548,12 @@ def verl_offpolicy_metrics(
     out = {key: float(t[key].mean()) for key in ("training_ppl", "training_log_ppl")}  # over all rows
     if roll is None:
         return out
-    out["kl"], out["k3_kl"] = _mean(t["kl"]), _mean(t["k3_kl"])  # token means
+    out["kl"], out["k3_kl"] = packed_mean(t["kl"]), packed_mean(t["k3_kl"])  # token means
     for key in ("rollout_ppl", "rollout_log_ppl", "log_ppl_diff", "log_ppl_abs_diff"):
         out[key] = float(t[key].mean())
     out["log_ppl_diff_max"] = float(t["log_ppl_diff"].max())
     out["log_ppl_diff_min"] = float(t["log_ppl_diff"].min())
     out["ppl_ratio"] = float(t["ppl_ratio"].mean())
-    out["chi2_token"] = _mean(t["chi2_token"]) - 1.0
+    out["chi2_token"] = packed_mean(t["chi2_token"]) - 1.0
     out["chi2_seq"] = float(t["chi2_seq"].mean()) - 1.0
     return out
