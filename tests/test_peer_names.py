@@ -392,6 +392,20 @@ def test_areal_actor_statistics(capsys, dump, options):
     assert metrics["ppo_actor/update/masked_token_ratio"] == pytest.approx(1 - n_valid / sum(len(s.new) for s in seqs))
 
 
+def test_areal_version_stats_against_the_float64_reference(capsys, dump):
+    # AReaL's _log_version_staleness_stats without rejection sampling: over valid generated tokens (version ≥ 0),
+    # theta = current − version and proximal = current − 1 − version (the group and areal_version_stats share them)
+    path, seqs = dump
+    metrics = run_json(capsys, "analyze", path, "--names", "areal", "--batch-tokens", "50")["metrics"]
+    lags = [s.current_version - s.versions[t] for s in seqs for t in s.valid() if s.versions[t] >= 0]
+    assert len(lags) > 100
+    for name, values in (("theta", lags), ("proximal", [x - 1 for x in lags])):
+        key = f"ppo_actor/update/version_stats/sample_staleness_{name}_"
+        assert metrics[key + "avg"] == pytest.approx(sum(values) / len(values), **EXACT)
+        assert (metrics[key + "min"], metrics[key + "max"]) == (min(values), max(values))
+    assert metrics["ppo_actor/update/version_stats/n_valid_generated_tokens"] == len(lags)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # streaming and the grpo-cli keys
 # ------------------------------------------------------------------------------------------------------------
