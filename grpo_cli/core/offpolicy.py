@@ -156,7 +156,6 @@ def kl_families_compute(state: MetricState) -> dict[str, Any]:
 def behave_state(device: torch.device | str | None = None) -> MetricState:
     """An empty state for :func:`behave_update`."""
     specs = {
-        "n_tokens": count(),
         "n_kept": count(),
         "sum_w": total(),
         "min_w": minimum(),
@@ -194,7 +193,6 @@ def behave_update(
     prox = working_logp(prox_logp, temperature)
     old = working_logp(old_logp, temperature)
     n = prox.numel()
-    state.update(n_tokens=torch.tensor(n))
     if n == 0:
         return
     delta = prox - old  # AReaL behave_approx_kl = ℓp − ℓb

@@ -109,20 +109,23 @@ def verl_is_terms(
 
     Returns:
         Per token: ``weights`` (the processed weights the loss uses), ``stat`` (the weights ``mean``/``max``/``min``
-        describe), ``spread`` (those ``std`` and ESS take), ``oob`` (raw ``w`` outside ``[lo, C]``); ``high`` and
-        ``low`` (raw ``w > C``, ``< lo``) per token, or per sequence at sequence level (its log-sum against
-        ``log C``, ``log lo``). Per sequence (float64): ``seq_log_ratio`` (Σℓ, rounded to the tokens' dtype),
-        ``seq_mean`` (mean of ``stat``), ``seq_deviation`` (``|seq_mean − 1|``), ``seq_high``/``seq_low`` (mean raw
-        ``w`` above ``C``, below ``lo``). ``lo`` is ``threshold_lower`` or ``1/C``.
+        describe), ``spread`` (those ``std`` and ESS take), with IcePop ``oob`` (raw ``w`` outside ``[lo, C]``);
+        ``high`` and ``low`` (raw ``w > C``, ``< lo``) per token, or per sequence at sequence level (its log-sum
+        against ``log C``, ``log lo``). Per sequence (float64): at sequence level ``seq_log_ratio`` (Σℓ, rounded to
+        the tokens' dtype: the extremes are exp of its extremes), ``seq_mean`` (mean of ``stat``), ``seq_deviation``
+        (``|seq_mean − 1|``), ``seq_high``/``seq_low`` (mean raw ``w`` above ``C``, below ``lo``). ``lo`` is
+        ``threshold_lower`` or ``1/C``.
     """
     c, lower = threshold, threshold_lower
     lo = 1.0 / c if lower is None else lower
     ratio = log_terms["ratio"]
-    seq_log = log_terms["log_sum"].to(ratio.dtype).to(F64)  # verl's sums are in the log-probs' dtype
+    out: dict[str, Tensor] = {}
     if level == "sequence":
+        seq_log = log_terms["log_sum"].to(ratio.dtype).to(F64)  # verl's sums are in the log-probs' dtype
         bounded = seq_log.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
         raw = torch.exp(broadcast_to_tokens(bounded, cu_seqlens, ratio.numel()).to(ratio.dtype))
         high, low = seq_log > math.log(c), seq_log < (math.log(lo) if lo > 0 else -math.inf)
+        out["seq_log_ratio"] = seq_log
     else:
         raw = ratio
         high, low = raw > c, raw < lo
@@ -130,11 +133,14 @@ def verl_is_terms(
     stat = weights if truncate else raw
     seq_mean = _sequence_means(stat, cu_seqlens)
     seq_raw = _sequence_means(raw, cu_seqlens)
-    return {
+    out.update({
         "weights": weights, "stat": stat, "spread": verl_is_spread_values(raw, weights, c, lo, truncate),
-        "oob": (raw < lo) | (raw > c), "high": high, "low": low, "seq_log_ratio": seq_log, "seq_mean": seq_mean,
-        "seq_deviation": (seq_mean - 1.0).abs(), "seq_high": seq_raw > c, "seq_low": seq_raw < lo,
-    }
+        "high": high, "low": low, "seq_mean": seq_mean, "seq_deviation": (seq_mean - 1.0).abs(),
+        "seq_high": seq_raw > c, "seq_low": seq_raw < lo,
+    })
+    if lower is not None:
+        out["oob"] = (raw < lo) | (raw > c)
+    return out
 
 
 def verl_rollout_is(

@@ -257,12 +257,12 @@ def _verl_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu:
     log_terms = verl_log_ratio_terms(t, r, cu)
     weights = verl_is_terms(log_terms, cu, level=level, threshold=c, threshold_lower=lower, truncate=truncate)
     off = verl_offpolicy_terms(t, r, cu, log_terms)
-    w, v, row_w, row_log = weights["stat"], weights["spread"], weights["seq_mean"], weights["seq_log_ratio"]
+    w, v, row_w = weights["stat"], weights["spread"], weights["seq_mean"]
     n_rows = row_w.numel()
     diff = off["log_ppl_diff"]
     upd: dict[str, Tensor] = {
         "n": torch.tensor(t.numel()), "w": w.sum(), "v": v.sum(), "v2": (v * v).sum(),
-        "n_high": weights["high"].sum(), "n_low": weights["low"].sum(), "n_oob": weights["oob"].sum(),
+        "n_high": weights["high"].sum(), "n_low": weights["low"].sum(),
         "rows": torch.tensor(n_rows), "r": row_w.sum(), "r2": (row_w * row_w).sum(),
         "rows_high": weights["seq_high"].sum(), "rows_low": weights["seq_low"].sum(),
         "ppl_t": off["training_ppl"].sum(), "lppl_t": off["training_log_ppl"].sum(), "kl": off["kl"].sum(),
@@ -270,11 +270,16 @@ def _verl_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu:
         "diff": diff.sum(), "adiff": off["log_ppl_abs_diff"].sum(), "pplratio": off["ppl_ratio"].sum(),
         "rho2": off["chi2_token"].sum(), "chi2seq": off["chi2_seq"].sum(),
     }
-    if t.numel():
+    if "oob" in weights:  # IcePop
+        upd["n_oob"] = weights["oob"].sum()
+    if level == "token" and t.numel():  # at sequence level the extremes come from the log-sums
         upd.update(w_max=w.max(), w_min=w.min())
     if n_rows:
         upd.update(r_max=row_w.max(), r_min=row_w.min(), dev_max=weights["seq_deviation"].max(), diff_max=diff.max(),
-                   diff_min=diff.min(), lr_max=row_log.max(), lr_min=row_log.min())
+                   diff_min=diff.min())
+        if level == "sequence":
+            row_log = weights["seq_log_ratio"]
+            upd.update(lr_max=row_log.max(), lr_min=row_log.min())
     state.update(**{p + k: v for k, v in upd.items()})
 
 
