@@ -11,6 +11,7 @@ from torch import Tensor
 
 from grpo_cli._choices import VERL_RS_OPTIONS
 from grpo_cli.core.batch import TokenBatch
+from grpo_cli.core.offpolicy import pearson_from_sums, pearson_sums
 from grpo_cli.core.packing import lengths_from_cu_seqlens
 from grpo_cli.core.peer_figures import VERL_SAFETY_BOUND, verl_rs_options, verl_rs_thresholds
 from grpo_cli.core.peer_verl_rollout import (
@@ -72,6 +73,7 @@ _VERL_SETS = {
     "bypass": ("verl/actor/rollout_corr/", "actor/rollout_corr/", OLD, "train = new_logp (verl's bypass mode)"),
 }
 _VERL_PEARSON = "verl/rollout_actor_probs_pearson_corr"
+_PEARSON_SUMS = ("px", "py", "pxx", "pyy", "pxy")
 _VERL_SCORE = "verl/critic/score/"
 
 
@@ -356,7 +358,7 @@ class VerlPeerGroup(MetricGroup):
             return MetricState({}, device)
         bounds = _rs_bounds(config)
         specs = {**_verl_specs("d_"), **_verl_specs("b_"), **_rs_specs("d_", bounds), **_rs_specs("b_", bounds)}
-        specs.update({k: total() for k in ("px", "py", "pxx", "pyy", "pxy", "score")})
+        specs.update({k: total() for k in (*_PEARSON_SUMS, "score")})
         specs.update(pn=count(), n_scored=count(), score_max=maximum(), score_min=minimum())
         return MetricState(specs, device)
 
@@ -373,9 +375,8 @@ class VerlPeerGroup(MetricGroup):
                 if bounds:
                     _rs_update(state, prefix, train, valid.old_logp, cu, bounds)
             if valid.prox_logp is not None:
-                x, y = torch.exp(f64(valid.prox_logp)), torch.exp(f64(valid.old_logp))
-                state.update(px=x.sum(), py=y.sum(), pxx=(x * x).sum(), pyy=(y * y).sum(), pxy=(x * y).sum(),
-                             pn=torch.tensor(x.numel()))
+                sums = pearson_sums(torch.exp(f64(valid.prox_logp)), torch.exp(f64(valid.old_logp)))
+                state.update(**dict(zip(_PEARSON_SUMS, sums)), pn=torch.tensor(valid.n_tokens))
         if valid.rewards is not None:
             scored = lengths_from_cu_seqlens(valid.cu_seqlens).to(valid.rewards.device) > 0
             s = f64(valid.rewards[scored])
@@ -394,10 +395,8 @@ class VerlPeerGroup(MetricGroup):
                 out.update({ours + k: v for k, v in _rs_compute(state, prefix, bounds).items()})
         n = int(state["pn"])
         if n > 1:
-            mx, my = float(state["px"]) / n, float(state["py"]) / n
-            cov = float(state["pxy"]) / n - mx * my
-            vx, vy = float(state["pxx"]) / n - mx * mx, float(state["pyy"]) / n - my * my
-            out[_VERL_PEARSON] = cov / math.sqrt(vx * vy) if vx > 0 and vy > 0 else math.nan
+            pearson = pearson_from_sums(n, *(float(state[k]) for k in _PEARSON_SUMS))
+            out[_VERL_PEARSON] = math.nan if pearson is None else pearson
         m = int(state["n_scored"])
         if m:
             out[_VERL_SCORE + "mean"] = float(state["score"]) / m
