@@ -111,8 +111,7 @@ def trl_clip_indicators(
     coef: Tensor, advantages: Tensor, epsilon_low: float, epsilon_high: float
 ) -> tuple[Tensor, Tensor]:
     """TRL's ``is_low_clipped = (coef_1 < 1 − ε_low) & (A < 0)`` and ``is_high_clipped = (coef_1 > 1 + ε_high) &
-    (A > 0)`` (``GRPOTrainer._compute_loss``), for any broadcastable shapes: the batch figures
-    (:func:`trl_clip_ratio_metrics`) and the streaming ``--names trl`` group both call it.
+    (A > 0)`` (``GRPOTrainer._compute_loss``), for any broadcastable shapes (:func:`trl_clip_terms`).
 
     Example:
         >>> low, high = trl_clip_indicators(torch.tensor([0.5, 1.5]), torch.tensor([-1.0, 1.0]), 0.2, 0.2)
@@ -124,8 +123,8 @@ def trl_clip_indicators(
 
 def trl_bound_is_ratio(ratio: Tensor, mode: str, clip_min: float | None, clip_max: float | None) -> Tensor:
     """TRL's vLLM importance-sampling ratio after its bounds (``_generate_and_score_completions``): ``*_truncate``
-    clamps to ``[clip_min, clip_max]``, ``*_mask`` sets ratios outside to 0 (a missing bound is no bound). The
-    batch figures (:func:`trl_sampling_metrics`) and the streaming ``--names trl`` group both call it.
+    clamps to ``[clip_min, clip_max]``, ``*_mask`` sets ratios outside to 0 (a missing bound is no bound), for
+    :func:`trl_sampling_terms`.
 
     Example:
         >>> r = torch.tensor([0.5, 2.0, 4.0])

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
@@ -18,31 +18,65 @@ from grpo_cli.core._peer_common import (
     F64,
     VERL_SAFETY_BOUND,
     pack,
-    packed_mean,
     prepare,
 )
 from grpo_cli.core.kl import k3_of_log_weight
 from grpo_cli.core.packing import broadcast_to_tokens, lengths_from_cu_seqlens, segment_max, segment_sum
+from grpo_cli.core.state import MetricState, StateSpec, count, maximum, minimum, total
 
 __all__ = [
     "VERL_RS_OPTIONS",
+    "verl_count_specs",
+    "verl_counts",
+    "verl_is_figures",
+    "verl_is_specs",
     "verl_is_spread_values",
-    "verl_is_terms",
+    "verl_is_sums",
     "verl_is_threshold",
     "verl_is_weights",
     "verl_log_ratio_terms",
+    "verl_offpolicy_figures",
     "verl_offpolicy_metrics",
-    "verl_offpolicy_terms",
+    "verl_offpolicy_specs",
+    "verl_offpolicy_sums",
     "verl_rollout_is",
     "verl_rollout_rs",
     "verl_rs_bounds",
+    "verl_rs_figures",
     "verl_rs_keep",
     "verl_rs_options",
+    "verl_rs_specs",
     "verl_rs_statistics",
-    "VerlRsOption",
-    "verl_rs_terms",
+    "verl_rs_sums",
     "verl_rs_thresholds",
 ]
+
+# verl logs its rollout-correction metrics per training batch. Each family is written once as *_sums (the float64
+# sums, int64 counts and extrema of one batch of packed valid tokens), folded into a MetricState declared by
+# *_specs, and *_figures (the metrics from the folded state): the batch functions fold their one batch, the
+# streaming --names verl group every batch of the dump.
+
+
+def _f64(x: Tensor) -> Tensor:
+    return x.to(F64)
+
+
+def verl_count_specs() -> dict[str, StateSpec]:
+    """The denominators every ``*_figures`` function reads: ``n`` valid tokens, ``rows`` sequences (all of them)."""
+    return {"n": count(), "rows": count()}
+
+
+def verl_counts(n_tokens: int, cu_seqlens: Tensor) -> dict[str, Tensor]:
+    """One batch's :func:`verl_count_specs` entries."""
+    return {"n": torch.tensor(n_tokens), "rows": torch.tensor(cu_seqlens.numel() - 1)}
+
+
+def _fold(specs: dict[str, StateSpec], device: torch.device, *partials: Mapping[str, Tensor]) -> MetricState:
+    """A state holding one batch (the batch functions' path through ``*_figures``)."""
+    state = MetricState({**verl_count_specs(), **specs}, device)
+    for partial in partials:
+        state.update(**partial)
+    return state
 
 
 def _sequence_means(values: Tensor, cu_seqlens: Tensor) -> Tensor:
@@ -68,8 +102,7 @@ def verl_log_ratio_terms(train: Tensor, rollout: Tensor, cu_seqlens: Tensor) -> 
 
 def verl_is_weights(raw: Tensor, threshold: float, threshold_lower: float | None) -> Tensor:
     """verl's processed rollout IS weights from the raw ``w``: TIS ``min(w, C)`` without ``threshold_lower``,
-    IcePop ``w·[lower ≤ w ≤ C]`` with it (``compute_rollout_correction_weights``). The batch function
-    :func:`verl_rollout_is` and the streaming ``--names verl`` group both call it.
+    IcePop ``w·[lower ≤ w ≤ C]`` with it (``compute_rollout_correction_weights``), for :func:`verl_is_sums`.
 
     Example:
         >>> w = torch.tensor([4.0, 0.25, 1.0])
@@ -89,7 +122,16 @@ def verl_is_spread_values(raw: Tensor, weights: Tensor, threshold: float, lower:
     return weights.clamp(min=0.0, max=threshold) if truncate else raw.clamp(min=lower, max=threshold)
 
 
-def verl_is_terms(
+def verl_is_specs() -> dict[str, StateSpec]:
+    """The state :func:`verl_is_sums` folds into (besides :func:`verl_count_specs`)."""
+    specs = {k: total() for k in ("w", "v", "v2", "r", "r2")}
+    specs.update({k: count() for k in ("n_high", "n_low", "n_oob", "rows_high", "rows_low")})
+    specs.update({k: maximum() for k in ("w_max", "r_max", "dev_max", "lr_max")})
+    specs.update({k: minimum() for k in ("w_min", "r_min", "lr_min")})
+    return specs
+
+
+def verl_is_sums(
     log_terms: dict[str, Tensor],
     cu_seqlens: Tensor,
     *,
@@ -97,10 +139,10 @@ def verl_is_terms(
     threshold: float = 2.0,
     threshold_lower: float | None = None,
     truncate: bool = True,
-) -> dict[str, Tensor]:
-    """verl's rollout IS weights of packed valid tokens and the per-token and per-sequence values its
-    ``rollout_is_*`` metrics reduce (``compute_rollout_correction_weights``, ``compute_is_metrics``). The batch
-    function :func:`verl_rollout_is` and the streaming ``--names verl`` group both call it.
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """verl's rollout IS weights of packed valid tokens (``compute_rollout_correction_weights``) and what its
+    ``rollout_is_*`` metrics (``compute_is_metrics``, :func:`verl_is_figures`) need of them. The weights and their
+    statistics are computed in the tokens' dtype, the sums in float64.
 
     Args:
         log_terms: :func:`verl_log_ratio_terms` of the batch.
@@ -108,38 +150,86 @@ def verl_is_terms(
         level, threshold, threshold_lower, truncate: as in :func:`verl_rollout_is`.
 
     Returns:
-        Per token: ``weights`` (the processed weights the loss uses), ``stat`` (the weights ``mean``/``max``/``min``
-        describe), ``spread`` (those ``std`` and ESS take), with IcePop ``oob`` (raw ``w`` outside ``[lo, C]``);
-        ``high`` and ``low`` (raw ``w > C``, ``< lo``) per token, or per sequence at sequence level (its log-sum
-        against ``log C``, ``log lo``). Per sequence (float64): at sequence level ``seq_log_ratio`` (Σℓ, rounded to
-        the tokens' dtype: the extremes are exp of its extremes), ``seq_mean`` (mean of ``stat``), ``seq_deviation``
-        (``|seq_mean − 1|``), ``seq_high``/``seq_low`` (mean raw ``w`` above ``C``, below ``lo``). ``lo`` is
+        ``(weights, sums)``: the processed weights ``[N]`` the loss uses and the entries of :func:`verl_is_specs`:
+        of the weights the statistics describe (``w``: ``min(w, C)`` or, ``truncate=False``, the raw ``w``) the sum
+        and token extremes, of the spread values ``v`` (:func:`verl_is_spread_values`) the sum and sum of
+        squares, the raw weights above ``C`` and below ``lo`` (per sequence at sequence level: its log-sum
+        against ``log C``, ``log lo``, with the extremes of the log-sums), with IcePop those outside ``[lo, C]``;
+        of the per-sequence means ``r`` of ``w`` (an empty sequence 0) the sum, sum of squares, extremes and
+        largest ``|r − 1|``, and the sequences whose mean raw weight is above ``C``, below ``lo``. ``lo`` is
         ``threshold_lower`` or ``1/C``.
     """
     c, lower = threshold, threshold_lower
     lo = 1.0 / c if lower is None else lower
     ratio = log_terms["ratio"]
-    out: dict[str, Tensor] = {}
     if level == "sequence":
-        seq_log = log_terms["log_sum"].to(ratio.dtype).to(F64)  # verl's sums are in the log-probs' dtype
+        seq_log = _f64(log_terms["log_sum"].to(ratio.dtype))  # verl's sums are in the log-probs' dtype
         bounded = seq_log.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
         raw = torch.exp(broadcast_to_tokens(bounded, cu_seqlens, ratio.numel()).to(ratio.dtype))
         high, low = seq_log > math.log(c), seq_log < (math.log(lo) if lo > 0 else -math.inf)
-        out["seq_log_ratio"] = seq_log
     else:
         raw = ratio
         high, low = raw > c, raw < lo
     weights = verl_is_weights(raw, c, lower)
     stat = weights if truncate else raw
-    seq_mean = _sequence_means(stat, cu_seqlens)
-    seq_raw = _sequence_means(raw, cu_seqlens)
-    out.update({
-        "weights": weights, "stat": stat, "spread": verl_is_spread_values(raw, weights, c, lo, truncate),
-        "high": high, "low": low, "seq_mean": seq_mean, "seq_deviation": (seq_mean - 1.0).abs(),
-        "seq_high": seq_raw > c, "seq_low": seq_raw < lo,
-    })
-    if lower is not None:
-        out["oob"] = (raw < lo) | (raw > c)
+    w, v = _f64(stat), _f64(verl_is_spread_values(raw, weights, c, lo, truncate))
+    row_w, row_raw = _sequence_means(stat, cu_seqlens), _sequence_means(raw, cu_seqlens)
+    sums = {
+        "w": w.sum(), "v": v.sum(), "v2": (v * v).sum(), "n_high": high.sum(), "n_low": low.sum(),
+        "r": row_w.sum(), "r2": (row_w * row_w).sum(), "rows_high": (row_raw > c).sum(),
+        "rows_low": (row_raw < lo).sum(),
+    }
+    if lower is not None:  # IcePop
+        sums["n_oob"] = ((raw < lo) | (raw > c)).sum()
+    if level == "token" and w.numel():  # at sequence level the extremes come from the log-sums
+        sums.update(w_max=w.max(), w_min=w.min())
+    if row_w.numel():
+        sums.update(r_max=row_w.max(), r_min=row_w.min(), dev_max=(row_w - 1.0).abs().max())
+        if level == "sequence":
+            sums.update(lr_max=seq_log.max(), lr_min=seq_log.min())
+    return weights, sums
+
+
+def verl_is_figures(
+    state: MetricState, *, level: str = "token", icepop: bool = False, prefix: str = ""
+) -> dict[str, float]:
+    """verl's ``rollout_is_*`` metrics (:func:`verl_rollout_is`) from the sums :func:`verl_is_sums` folded into
+    ``state`` (entries named ``prefix + key``); ``{}`` without a valid token (verl raises)."""
+    def get(key: str) -> Tensor:
+        return state[prefix + key]
+
+    n, rows = int(get("n")), int(get("rows"))
+    if n == 0 or rows == 0:
+        return {}
+    sequence = level == "sequence"
+    v_mean, v_sq = float(get("v")) / n, float(get("v2")) / n
+    r_mean = float(get("r")) / rows
+    r_var = (float(get("r2")) - rows * r_mean * r_mean) / (rows - 1) if rows > 1 else 0.0
+    if sequence:  # verl: exp of the extreme log-sums (the max capped at exp(20)), fractions over sequences
+        is_max = math.exp(min(float(get("lr_max")), VERL_SAFETY_BOUND))
+        is_min = math.exp(float(get("lr_min")))
+    else:
+        is_max, is_min = float(get("w_max")), float(get("w_min"))
+    frac_den = rows if sequence else n
+    out = {
+        "rollout_is_mean": float(get("w")) / n,
+        "rollout_is_max": is_max,
+        "rollout_is_min": is_min,
+        "rollout_is_std": math.sqrt(max(v_sq - v_mean * v_mean, 0.0)) if n > 1 else 0.0,
+        # 1 / mean((v / (mean v + 1e-8))²), from the moments
+        "rollout_is_eff_sample_size": (v_mean + 1e-8) ** 2 / v_sq if v_sq > 0 else math.nan,
+        "rollout_is_ratio_fraction_high": int(get("n_high")) / frac_den,
+        "rollout_is_ratio_fraction_low": int(get("n_low")) / frac_den,
+        "rollout_is_seq_mean": r_mean,
+        "rollout_is_seq_std": math.sqrt(max(r_var, 0.0)),
+        "rollout_is_seq_max": float(get("r_max")),
+        "rollout_is_seq_min": float(get("r_min")),
+        "rollout_is_seq_max_deviation": float(get("dev_max")),
+        "rollout_is_seq_fraction_high": int(get("rows_high")) / rows,
+        "rollout_is_seq_fraction_low": int(get("rows_low")) / rows,
+    }
+    if icepop:
+        out["rollout_is_oob_ratio"] = int(get("n_oob")) / n
     return out
 
 
@@ -195,34 +285,12 @@ def verl_rollout_is(
     if not bool(m.any()):
         raise ValueError("response_mask must contain at least one valid token (1).")
     cu, (train, roll) = pack(m, old_log_prob.detach().to(cd), rollout_log_prob.detach().to(cd))
-    t = verl_is_terms(verl_log_ratio_terms(train, roll, cu), cu, level=level, threshold=c, threshold_lower=lo_given,
-                      truncate=truncate)
-    stat = t["stat"]
-    out: dict[str, float] = {"rollout_is_mean": packed_mean(stat)}
-    if level == "sequence":  # the extremes are exp of the row log-sums (the max capped at 20), over all rows
-        out["rollout_is_max"] = math.exp(min(float(t["seq_log_ratio"].max()), VERL_SAFETY_BOUND))
-        out["rollout_is_min"] = math.exp(float(t["seq_log_ratio"].min()))
-    else:
-        out["rollout_is_max"], out["rollout_is_min"] = float(stat.max()), float(stat.min())
-    out["rollout_is_ratio_fraction_high"] = packed_mean(t["high"])
-    out["rollout_is_ratio_fraction_low"] = packed_mean(t["low"])
-    v = t["spread"].to(F64)
-    mean_v = packed_mean(v)
-    out["rollout_is_std"] = math.sqrt(max(packed_mean(v * v) - mean_v**2, 0.0)) if v.numel() > 1 else 0.0
-    out["rollout_is_eff_sample_size"] = 1.0 / packed_mean((v / (mean_v + 1e-8)) ** 2)
-    seq = t["seq_mean"]
-    out["rollout_is_seq_mean"] = float(seq.mean())
-    out["rollout_is_seq_std"] = float(seq.std()) if seq.numel() > 1 else 0.0
-    out["rollout_is_seq_max"] = float(seq.max())
-    out["rollout_is_seq_min"] = float(seq.min())
-    out["rollout_is_seq_max_deviation"] = float(t["seq_deviation"].max())
-    out["rollout_is_seq_fraction_high"] = packed_mean(t["seq_high"])
-    out["rollout_is_seq_fraction_low"] = packed_mean(t["seq_low"])
-    if lo_given is not None:
-        out["rollout_is_oob_ratio"] = packed_mean(t["oob"])
-    weights = torch.zeros_like(m, dtype=cd)
-    weights[m] = t["weights"]
-    return weights, out
+    weights, sums = verl_is_sums(verl_log_ratio_terms(train, roll, cu), cu, level=level, threshold=c,
+                                 threshold_lower=lo_given, truncate=truncate)
+    state = _fold(verl_is_specs(), train.device, verl_counts(train.numel(), cu), sums)
+    padded = torch.zeros_like(m, dtype=cd)
+    padded[m] = weights
+    return padded, verl_is_figures(state, level=level, icepop=lo_given is not None)
 
 
 def verl_is_threshold(spec: str | float) -> tuple[float, float | None]:
@@ -312,8 +380,7 @@ def verl_rs_thresholds(options: list[str], spec: str | float) -> dict[str, tuple
 
 def verl_rs_statistics(log_ratio: Tensor) -> dict[str, Tensor]:
     """verl's per-token rejection statistics (``compute_rollout_rejection_mask``) of ``ℓ = clamp(train − rollout,
-    ±20)``: ``k1 = −ℓ``, ``k2 = ℓ²/2``, ``k3 = e^ℓ − 1 − ℓ``. The one place they are written: the batch function
-    :func:`verl_rollout_rs` and the streaming ``--names verl`` group both call it.
+    ±20)``: ``k1 = −ℓ``, ``k2 = ℓ²/2``, ``k3 = e^ℓ − 1 − ℓ``, for :func:`verl_rs_sums`.
 
     Example:
         >>> {k: round(v.item(), 4) for k, v in verl_rs_statistics(torch.tensor([1.0])).items()}
@@ -340,68 +407,127 @@ def verl_rs_keep(stat: Tensor, option: str, low: float, high: float) -> Tensor:
     return (stat >= low) & (stat <= high) if option.endswith("k1") else stat <= high
 
 
-@dataclass(frozen=True)
-class VerlRsOption:
-    """One rejection-sampling option of a batch (:func:`verl_rs_terms`)."""
-
-    low: float
-    """The lower end of the interval the statistic must lie in (:func:`verl_rs_bounds`)."""
-    high: float
-    """Its upper end."""
-    stat: Tensor
-    """Per token: the option's statistic (a sequence option's value repeated over its tokens)."""
-    seq: Tensor
-    """Per sequence (float64): the option's statistic (a token option's: its mean); 0 for an empty sequence."""
-    keep: Tensor
-    """Per token: the option keeps it."""
-    rejected: Tensor
-    """Per sequence: holds a token the option rejects."""
-
-
 def _rejected(keep: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """Per sequence: holds a token that ``keep`` rejects."""
     return segment_sum((~keep).to(F64), cu_seqlens, F64) > 0
 
 
-def verl_rs_terms(
+def verl_rs_specs(bounds: dict[str, tuple[float | None, float]]) -> dict[str, StateSpec]:
+    """The state :func:`verl_rs_sums` folds into for the options of ``bounds`` (besides :func:`verl_count_specs`)."""
+    specs: dict[str, StateSpec] = {"rows_ne": count(), "rs_masked": count(), "rs_seq_masked": count()}
+    for option in bounds:
+        q = f"rs_{option}_"
+        specs.update({q + k: total() for k in ("sum", "c", "c2", "seq", "seq2")})
+        specs.update({q + k: count() for k in ("hi", "lo", "seq_hi", "seq_lo", "masked", "seq_masked")})
+        specs.update({q + k: maximum() for k in ("max", "seq_max", "seq_dev")})
+        specs.update({q + k: minimum() for k in ("min", "seq_min")})
+    return specs
+
+
+def verl_rs_sums(
     train: Tensor, rollout: Tensor, cu_seqlens: Tensor, bounds: dict[str, tuple[float | None, float]]
-) -> tuple[dict[str, VerlRsOption], Tensor, Tensor]:
-    """verl's rejection sampling of packed valid tokens (``compute_rollout_rejection_mask``): ``ℓ = clamp(train −
-    rollout, ±20)``, the statistics of :func:`verl_rs_statistics` per token, reduced per sequence by the
-    ``seq_sum``/``seq_mean``/``seq_max`` options. The batch function :func:`verl_rollout_rs` and the streaming
-    ``--names verl`` group both call it.
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """verl's rejection sampling of packed valid tokens (``compute_rollout_rejection_mask``) and what its
+    ``rollout_rs_*`` metrics (``compute_rs_metrics``, :func:`verl_rs_figures`) need: ``ℓ = clamp(train − rollout,
+    ±20)``, the statistics of :func:`verl_rs_statistics` per token (in the tokens' dtype), reduced per sequence by
+    the ``seq_sum``/``seq_mean``/``seq_max`` options (float64; ``seq_max`` of an empty sequence 0).
 
     Args:
-        train, rollout: ``[N]`` log-probs of the valid tokens (their dtype is the working dtype).
+        train, rollout: ``[N]`` log-probs of the valid tokens.
         cu_seqlens: ``[B + 1]`` offsets.
         bounds: ``{option: (lower, upper)}`` of :func:`verl_rs_thresholds`.
 
     Returns:
-        ``(options, keep, rejected)``: each option's :class:`VerlRsOption`, then where all options together keep a
-        token and which sequences hold a token any option rejects.
+        ``(keep, sums)``: where all options together keep a token, and the entries of :func:`verl_rs_specs`: per
+        option the sum of its statistic over tokens (a sequence option's value on each of its tokens), the sum and
+        sum of squares of the statistic clamped to its interval, the units (tokens, or non-empty sequences for a
+        sequence option) above and below it with their extremes, over non-empty sequences the sum, sum of squares,
+        extremes and largest ``|·|`` of the per-sequence statistic (a token option's: its mean) and those above
+        and below the interval, and the rejected tokens and the non-empty sequences holding one; then the tokens
+        any option rejects and the sequences holding one.
     """
     log_ratio = (train - rollout).clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
     per_token = verl_rs_statistics(log_ratio)
     has = lengths_from_cu_seqlens(cu_seqlens).to(log_ratio.device) > 0
     n_tok = log_ratio.numel()
+    zero = torch.zeros((), dtype=torch.int64, device=log_ratio.device)
     keep_all = torch.ones(n_tok, dtype=torch.bool, device=log_ratio.device)
-    out: dict[str, VerlRsOption] = {}
+    sums: dict[str, Tensor] = {"rows_ne": has.sum()}
     for option, (lower, upper) in bounds.items():
-        low, high = verl_rs_bounds(option, lower, upper)
+        k1 = option.endswith("k1")
+        lo_t, hi_t = verl_rs_bounds(option, lower, upper)
         values = per_token[option[-2:]]
         if option.startswith("token"):
-            seq, stat = _sequence_means(values, cu_seqlens), values
+            seq_values, stat = _sequence_means(values, cu_seqlens), values
         else:
             if option.startswith("seq_sum"):
-                seq = segment_sum(values, cu_seqlens, F64)
+                seq_values = segment_sum(values, cu_seqlens, F64)
             elif option.startswith("seq_mean"):
-                seq = _sequence_means(values, cu_seqlens)
+                seq_values = _sequence_means(values, cu_seqlens)
             else:
-                seq = torch.where(has, segment_max(values, cu_seqlens).to(F64), 0.0)
-            stat = broadcast_to_tokens(seq, cu_seqlens, n_tok).to(values.dtype)
-        keep = verl_rs_keep(stat, option, low, high)
+                seq_values = torch.where(has, _f64(segment_max(values, cu_seqlens)), 0.0)
+            stat = broadcast_to_tokens(seq_values, cu_seqlens, n_tok).to(values.dtype)
+        keep = verl_rs_keep(stat, option, lo_t, hi_t)
         keep_all &= keep
-        out[option] = VerlRsOption(low, high, stat, seq, keep, _rejected(keep, cu_seqlens))
-    return out, keep_all, _rejected(keep_all, cu_seqlens)
+        sv = seq_values[has]
+        extreme = stat if option.startswith("token") else sv
+        clamped = _f64(stat.clamp(min=lo_t, max=hi_t))
+        q = f"rs_{option}_"
+        sums.update({
+            q + "sum": _f64(stat).sum(), q + "c": clamped.sum(), q + "c2": (clamped * clamped).sum(),
+            q + "hi": (extreme > hi_t).sum(), q + "lo": (extreme < lo_t).sum() if k1 else zero,
+            q + "seq": sv.sum(), q + "seq2": (sv * sv).sum(), q + "seq_hi": (sv > hi_t).sum(),
+            q + "seq_lo": (sv < lo_t).sum() if k1 else zero, q + "masked": (~keep).sum(),
+            q + "seq_masked": _rejected(keep, cu_seqlens).sum(),
+        })
+        if extreme.numel():
+            sums.update({q + "max": extreme.max(), q + "min": extreme.min()})
+        if sv.numel():
+            sums.update({q + "seq_max": sv.max(), q + "seq_min": sv.min(), q + "seq_dev": sv.abs().max()})
+    sums["rs_masked"] = (~keep_all).sum()
+    sums["rs_seq_masked"] = _rejected(keep_all, cu_seqlens).sum()
+    return keep_all, sums
+
+
+def verl_rs_figures(
+    state: MetricState, bounds: dict[str, tuple[float | None, float]], *, prefix: str = ""
+) -> dict[str, float]:
+    """verl's ``rollout_rs_*`` metrics (:func:`verl_rollout_rs`) from the sums :func:`verl_rs_sums` folded into
+    ``state`` (entries named ``prefix + key``); ``{}`` without a valid token (verl raises)."""
+    def get(key: str) -> Tensor:
+        return state[prefix + key]
+
+    n, rows, ne = int(get("n")), int(get("rows")), int(get("rows_ne"))
+    if n == 0 or ne == 0:
+        return {}
+    out: dict[str, float] = {}
+    for option in bounds:
+        q, key = f"rs_{option}_", f"rollout_rs_{option}_"
+        frac_den = n if option.startswith("token") else ne
+        c_mean = float(get(q + "c")) / n
+        s_mean = float(get(q + "seq")) / ne
+        s_var = (float(get(q + "seq2")) - ne * s_mean * s_mean) / (ne - 1) if ne > 1 else 0.0
+        out.update({
+            key + "mean": float(get(q + "sum")) / n,
+            key + "max": float(get(q + "max")),
+            key + "min": float(get(q + "min")),
+            key + "fraction_high": int(get(q + "hi")) / frac_den,
+            key + "fraction_low": int(get(q + "lo")) / frac_den,
+            key + "std": math.sqrt(max(float(get(q + "c2")) / n - c_mean * c_mean, 0.0)) if n > 1 else 0.0,
+            key + "seq_mean": s_mean,
+            key + "seq_std": math.sqrt(max(s_var, 0.0)),
+            key + "seq_max": float(get(q + "seq_max")),
+            key + "seq_min": float(get(q + "seq_min")),
+            key + "seq_max_deviation": float(get(q + "seq_dev")),
+            key + "seq_fraction_high": int(get(q + "seq_hi")) / ne,
+            key + "masked_fraction": int(get(q + "masked")) / n,
+            key + "seq_masked_fraction": int(get(q + "seq_masked")) / ne,
+        })
+        if option.endswith("k1"):
+            out[key + "seq_fraction_low"] = int(get(q + "seq_lo")) / ne
+    out["rollout_rs_masked_fraction"] = int(get("rs_masked")) / n
+    out["rollout_rs_seq_masked_fraction"] = int(get("rs_seq_masked")) / rows
+    return out
 
 
 def verl_rollout_rs(
@@ -451,73 +577,75 @@ def verl_rollout_rs(
     if not bool(m.any()):
         raise ValueError("response_mask must contain at least one valid token (1).")
     cu, (train, roll) = pack(m, old_log_prob.detach().to(cd), rollout_log_prob.detach().to(cd))
-    terms, keep_all, rejected_all = verl_rs_terms(train, roll, cu, bounds)
-    has = m.any(-1)
-    out: dict[str, float] = {}
-    for option, t in terms.items():
-        p = f"rollout_rs_{option}"
-        k1 = option.endswith("k1")
-        valid_seq = t.seq[has]
-        units = t.stat if option.startswith("token") else valid_seq  # what max, min and the fractions run over
-        out[f"{p}_mean"] = packed_mean(t.stat)
-        out[f"{p}_max"], out[f"{p}_min"] = float(units.max()), float(units.min())
-        out[f"{p}_fraction_high"] = packed_mean(units > t.high)
-        out[f"{p}_fraction_low"] = packed_mean(units < t.low) if k1 else 0.0
-        if t.stat.numel() > 1:
-            clamped = t.stat.to(F64).clamp(min=t.low, max=t.high)
-            mean_c = packed_mean(clamped)
-            out[f"{p}_std"] = math.sqrt(max(packed_mean(clamped * clamped) - mean_c**2, 0.0))
-        else:
-            out[f"{p}_std"] = 0.0
-        out[f"{p}_seq_mean"] = float(valid_seq.mean())
-        out[f"{p}_seq_std"] = float(valid_seq.std()) if valid_seq.numel() > 1 else 0.0
-        out[f"{p}_seq_max"] = float(valid_seq.max())
-        out[f"{p}_seq_min"] = float(valid_seq.min())
-        out[f"{p}_seq_max_deviation"] = float(valid_seq.abs().max())
-        out[f"{p}_seq_fraction_high"] = packed_mean(valid_seq > t.high)
-        if k1:
-            out[f"{p}_seq_fraction_low"] = packed_mean(valid_seq < t.low)
-        out[f"{p}_masked_fraction"] = packed_mean(~t.keep)
-        out[f"{p}_seq_masked_fraction"] = packed_mean(t.rejected[has])
-    out["rollout_rs_masked_fraction"] = packed_mean(~keep_all)
-    out["rollout_rs_seq_masked_fraction"] = packed_mean(rejected_all)
+    keep, sums = verl_rs_sums(train, roll, cu, bounds)
+    state = _fold(verl_rs_specs(bounds), train.device, verl_counts(train.numel(), cu), sums)
     kept = torch.zeros_like(m)
-    kept[m] = keep_all
-    return kept, out
+    kept[m] = keep
+    return kept, verl_rs_figures(state, bounds)
 
 
-def verl_offpolicy_terms(
+_OFFPOLICY_SUMS = ("ppl_t", "lppl_t", "kl", "k3", "ppl_r", "lppl_r", "diff", "adiff", "pplratio", "rho2", "chi2seq")
+
+
+def verl_offpolicy_specs() -> dict[str, StateSpec]:
+    """The state :func:`verl_offpolicy_sums` folds into (besides :func:`verl_count_specs`)."""
+    return {**{k: total() for k in _OFFPOLICY_SUMS}, "diff_max": maximum(), "diff_min": minimum()}
+
+
+def verl_offpolicy_sums(
     train: Tensor, rollout: Tensor | None, cu_seqlens: Tensor, log_terms: dict[str, Tensor] | None = None
 ) -> dict[str, Tensor]:
-    """The per-token and per-sequence values verl's ``compute_offpolicy_metrics`` averages, of packed valid
-    tokens. The batch function :func:`verl_offpolicy_metrics` and the streaming ``--names verl`` group both call it.
-
-    Args:
-        train, rollout: ``[N]`` log-probs of the valid tokens (``rollout`` None: only the training perplexities).
-        cu_seqlens: ``[B + 1]`` offsets.
-        log_terms: :func:`verl_log_ratio_terms` of ``train`` and ``rollout`` when the caller has them already.
-
-    Returns:
-        Keyed by verl's figure: per token ``kl`` (``−ℓ``), ``k3_kl`` (``e^ℓ − ℓ − 1``), ``chi2_token`` (``ρ²``,
-        ``ρ = exp(clamp(ℓ, ±20))``); per sequence (float64; μ the sequence means of the log-probs, 0 when empty)
-        ``training_ppl`` (``exp(−μ_train)``), ``training_log_ppl`` (``−μ_train``), ``rollout_ppl``,
-        ``rollout_log_ppl``, ``log_ppl_diff`` (``μ_rollout − μ_train``), ``log_ppl_abs_diff``, ``ppl_ratio``
-        (``exp`` of the difference), ``chi2_seq`` (``exp(2·clamp(Σℓ, ±20))``). Each figure is the mean of its
-        values (the two χ² less 1).
-    """
+    """What verl's ``compute_offpolicy_metrics`` (:func:`verl_offpolicy_figures`) needs of a batch of packed
+    valid tokens: with ``μ`` the per-sequence means of the log-probs (float64; 0 for an empty sequence), the
+    sums over sequences of ``exp(−μ_train)``, ``−μ_train``, ``exp(−μ_rollout)``, ``−μ_rollout``, the difference
+    ``μ_rollout − μ_train`` (with its extremes), its absolute value and ``exp``, and ``exp(2·clamp(Σℓ, ±20))``;
+    the sums over tokens of ``−ℓ``, ``e^ℓ − ℓ − 1`` and ``exp(clamp(ℓ, ±20))²`` (``ℓ = train − rollout``, in the
+    tokens' dtype). ``rollout`` None: only the training perplexities. ``log_terms``: :func:`verl_log_ratio_terms`
+    when the caller has them already."""
     mu_train = _sequence_means(train, cu_seqlens)
-    out = {"training_ppl": torch.exp(-mu_train), "training_log_ppl": -mu_train}
+    sums = {"ppl_t": torch.exp(-mu_train).sum(), "lppl_t": (-mu_train).sum()}
     if rollout is None:
-        return out
+        return sums
     lt = verl_log_ratio_terms(train, rollout, cu_seqlens) if log_terms is None else log_terms
     log_ratio, ratio = lt["log_ratio"], lt["ratio"]
     mu_rollout = _sequence_means(rollout, cu_seqlens)
     diff = mu_rollout - mu_train
+    rho = _f64(ratio)
+    sums.update({
+        "kl": _f64(-log_ratio).sum(), "k3": _f64(k3_of_log_weight(log_ratio)).sum(),
+        "ppl_r": torch.exp(-mu_rollout).sum(), "lppl_r": (-mu_rollout).sum(), "diff": diff.sum(),
+        "adiff": diff.abs().sum(), "pplratio": torch.exp(diff).sum(), "rho2": (rho * rho).sum(),
+        "chi2seq": torch.exp(2.0 * lt["log_sum"].clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)).sum(),
+    })
+    if diff.numel():
+        sums.update(diff_max=diff.max(), diff_min=diff.min())
+    return sums
+
+
+def verl_offpolicy_figures(state: MetricState, *, rollout: bool = True, prefix: str = "") -> dict[str, float]:
+    """verl's off-policy metrics (:func:`verl_offpolicy_metrics`) from the sums :func:`verl_offpolicy_sums`
+    folded into ``state`` (entries named ``prefix + key``); ``{}`` without a valid token (verl raises)."""
+    def get(key: str) -> float:
+        return float(state[prefix + key])
+
+    n, rows = int(get("n")), int(get("rows"))
+    if n == 0 or rows == 0:
+        return {}
+    out = {"training_ppl": get("ppl_t") / rows, "training_log_ppl": get("lppl_t") / rows}
+    if not rollout:
+        return out
     out.update({
-        "kl": -log_ratio, "k3_kl": k3_of_log_weight(log_ratio), "chi2_token": ratio * ratio,
-        "rollout_ppl": torch.exp(-mu_rollout), "rollout_log_ppl": -mu_rollout, "log_ppl_diff": diff,
-        "log_ppl_abs_diff": diff.abs(), "ppl_ratio": torch.exp(diff),
-        "chi2_seq": torch.exp(2.0 * lt["log_sum"].clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)),
+        "kl": get("kl") / n,
+        "k3_kl": get("k3") / n,
+        "rollout_ppl": get("ppl_r") / rows,
+        "rollout_log_ppl": get("lppl_r") / rows,
+        "log_ppl_diff": get("diff") / rows,
+        "log_ppl_abs_diff": get("adiff") / rows,
+        "log_ppl_diff_max": get("diff_max"),
+        "log_ppl_diff_min": get("diff_min"),
+        "ppl_ratio": get("pplratio") / rows,
+        "chi2_token": get("rho2") / n - 1.0,
+        "chi2_seq": get("chi2seq") / rows - 1.0,
     })
     return out
 
@@ -550,16 +678,6 @@ def verl_offpolicy_metrics(
         raise ValueError("Expected at least one valid token in response_mask")
     cu, (train,) = pack(m, old_log_prob.detach().to(cd))
     roll = None if rollout_log_prob is None else pack(m, rollout_log_prob.detach().to(cd))[1][0]
-    t = verl_offpolicy_terms(train, roll, cu)
-    out = {key: float(t[key].mean()) for key in ("training_ppl", "training_log_ppl")}  # over all rows
-    if roll is None:
-        return out
-    out["kl"], out["k3_kl"] = packed_mean(t["kl"]), packed_mean(t["k3_kl"])  # token means
-    for key in ("rollout_ppl", "rollout_log_ppl", "log_ppl_diff", "log_ppl_abs_diff"):
-        out[key] = float(t[key].mean())
-    out["log_ppl_diff_max"] = float(t["log_ppl_diff"].max())
-    out["log_ppl_diff_min"] = float(t["log_ppl_diff"].min())
-    out["ppl_ratio"] = float(t["ppl_ratio"].mean())
-    out["chi2_token"] = packed_mean(t["chi2_token"]) - 1.0
-    out["chi2_seq"] = float(t["chi2_seq"].mean()) - 1.0
-    return out
+    state = _fold(verl_offpolicy_specs(), train.device, verl_counts(train.numel(), cu),
+                  verl_offpolicy_sums(train, roll, cu))
+    return verl_offpolicy_figures(state, rollout=roll is not None)
