@@ -10,7 +10,8 @@ and call the packed per-token and per-sequence functions the ``--names`` groups 
 call (verl's also the same reductions), so each formula is written once. Results are Python floats keyed by the
 peer's logged key (without its prefix: ``rollout_corr/``, ``actor/``, ``ppo_actor/update/``, ...). The functions
 live in one module per peer (:mod:`~grpo_cli.core.peer_verl`, :mod:`~grpo_cli.core.peer_verl_rollout`,
-:mod:`~grpo_cli.core.peer_trl`, :mod:`~grpo_cli.core.peer_areal`) and are importable from here.
+:mod:`~grpo_cli.core.peer_verl_rs`, :mod:`~grpo_cli.core.peer_trl`, :mod:`~grpo_cli.core.peer_areal`) and are
+importable from here.
 
 Sources (public repositories, at the pinned releases of :data:`~grpo_cli.core.conventions.PEER_RELEASES`):
 
@@ -30,15 +31,8 @@ from grpo_cli.core._peer_common import VERL_SAFETY_BOUND
 from grpo_cli.core.peer_areal import areal_actor_stats, areal_kl_div_stats, areal_token_stats, areal_version_stats
 from grpo_cli.core.peer_trl import trl_cispo_clip_ratio, trl_clip_ratio_metrics, trl_logged_kl, trl_sampling_metrics
 from grpo_cli.core.peer_verl import verl_data_metrics, verl_kl_penalty, verl_policy_loss
-from grpo_cli.core.peer_verl_rollout import (
-    VERL_RS_OPTIONS,
-    verl_is_threshold,
-    verl_offpolicy_metrics,
-    verl_rollout_is,
-    verl_rollout_rs,
-    verl_rs_options,
-    verl_rs_thresholds,
-)
+from grpo_cli.core.peer_verl_rollout import verl_is_threshold, verl_offpolicy_metrics, verl_rollout_is
+from grpo_cli.core.peer_verl_rs import VERL_RS_OPTIONS, verl_rollout_rs, verl_rs_options, verl_rs_thresholds
 
 __all__ = [
     "VERL_RS_OPTIONS",

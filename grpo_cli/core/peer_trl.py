@@ -17,6 +17,7 @@ from grpo_cli.core._peer_common import (
     pack,
     packed_mean,
     prepare,
+    sequence_means,
 )
 from grpo_cli.core.kl import k3_of_log_weight
 from grpo_cli.core.packing import broadcast_to_tokens, lengths_from_cu_seqlens, segment_sum
@@ -49,8 +50,7 @@ def trl_importance_ratio(log_ratio: Tensor, cu_seqlens: Tensor, level: str) -> T
         return torch.exp(log_ratio)
     if level != "sequence":
         raise ValueError(f"Unknown importance sampling level: {level}. Possible values are 'token' and 'sequence'.")
-    lengths = lengths_from_cu_seqlens(cu_seqlens).to(log_ratio.device)
-    mean = segment_sum(log_ratio, cu_seqlens, F64) / lengths.to(F64).clamp(min=1.0)
+    mean = sequence_means(log_ratio, cu_seqlens)
     return torch.exp(broadcast_to_tokens(mean, cu_seqlens, log_ratio.numel()).to(log_ratio.dtype))
 
 

@@ -24,10 +24,8 @@ from grpo_cli.core.peer_verl_rollout import (
     verl_offpolicy_figures,
     verl_offpolicy_specs,
     verl_offpolicy_sums,
-    verl_rs_figures,
-    verl_rs_specs,
-    verl_rs_sums,
 )
+from grpo_cli.core.peer_verl_rs import verl_rs_figures, verl_rs_specs, verl_rs_sums
 from grpo_cli.core.state import MetricState, StateSpec, count, maximum, minimum, total
 from grpo_cli.engine.figures import Figure, Requirement, column
 from grpo_cli.engine.group import MetricGroup
