@@ -442,3 +442,200 @@ def m2po_reference(second_moments: list[float], threshold: float) -> int:
         if sum(tail) / len(tail) < threshold:
             return k
     return n - 1
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the peers' logged figures (``--names verl|trl|areal``), by their published definitions
+# ------------------------------------------------------------------------------------------------------------
+
+_VERL_BOUND = 20.0  # verl's SAFETY_BOUND
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _sample_std(values: list[float]) -> float:
+    if len(values) < 2:
+        return 0.0
+    mu = _mean(values)
+    return math.sqrt(sum((v - mu) ** 2 for v in values) / (len(values) - 1))
+
+
+def _valid_pairs(seqs: list[Seq], train: str, rollout: str = "old") -> list[tuple[list[float], list[float]]]:
+    """Per sequence (every one, an all-masked one empty): its valid tokens' (train, rollout) log-probs."""
+    return [([float(getattr(s, train)[t]) for t in s.valid()], [float(getattr(s, rollout)[t]) for t in s.valid()])
+            for s in seqs]
+
+
+def verl_rollout_corr_reference(
+    seqs: list[Seq], train: str = "prox", *, threshold: float = 2.0, lower: float | None = None,
+    level: str = "token", truncate: bool = True,
+) -> dict[str, float]:
+    """verl 0.9.1 ``rollout_corr_helper.compute_is_metrics`` and ``compute_offpolicy_metrics`` of one batch (the
+    ``rollout_corr/*`` keys without the prefix), ℓ = train − rollout (rollout = ``old``). Weights: ``exp(clamp(ℓ,
+    ±20))`` per token, or ``exp(clamp(Σℓ, ±20))`` on every token of a sequence; truncated at ``C`` (TIS) or zeroed
+    outside ``[lower, C]`` (IcePop); ``truncate=False`` is verl 0.7's statistics of the raw weights."""
+    c, b = threshold, _VERL_BOUND
+    lo = 1.0 / c if lower is None else lower
+    rows = _valid_pairs(seqs, train)
+    stat_tok, raw_tok, spread, seq_stat, seq_raw, row_logs = [], [], [], [], [], []
+    mu_t, mu_r, kl, k3, rho2, chi2_seq = [], [], [], [], [], []
+    for tr, ro in rows:
+        lrs = [x - y for x, y in zip(tr, ro)]
+        row_log = sum(lrs)
+        row_logs.append(row_log)
+        raws = ([math.exp(min(max(row_log, -b), b))] * len(lrs) if level == "sequence"
+                else [math.exp(min(max(x, -b), b)) for x in lrs])
+        weights = [min(w, c) if lower is None else (w if lower <= w <= c else 0.0) for w in raws]
+        stats = weights if truncate else raws
+        stat_tok += stats
+        raw_tok += raws
+        spread += [min(max(w, 0.0), c) for w in weights] if truncate else [min(max(w, lo), c) for w in raws]
+        seq_stat.append(_mean(stats) if stats else 0.0)
+        seq_raw.append(_mean(raws) if raws else 0.0)
+        mu_t.append(_mean(tr) if tr else 0.0)
+        mu_r.append(_mean(ro) if ro else 0.0)
+        kl += [-x for x in lrs]
+        k3 += [math.exp(x) - 1.0 - x for x in lrs]
+        rho2 += [math.exp(min(max(x, -b), b)) ** 2 for x in lrs]
+        chi2_seq.append(math.exp(2.0 * min(max(row_log, -b), b)))
+    mean_v = _mean(spread)
+    out = {"rollout_is_mean": _mean(stat_tok)}
+    if level == "sequence":
+        out.update(rollout_is_max=math.exp(min(max(row_logs), b)), rollout_is_min=math.exp(min(row_logs)),
+                   rollout_is_ratio_fraction_high=_mean([float(x > math.log(c)) for x in row_logs]),
+                   rollout_is_ratio_fraction_low=_mean([float(x < math.log(lo)) for x in row_logs]))
+    else:
+        out.update(rollout_is_max=max(stat_tok), rollout_is_min=min(stat_tok),
+                   rollout_is_ratio_fraction_high=_mean([float(w > c) for w in raw_tok]),
+                   rollout_is_ratio_fraction_low=_mean([float(w < lo) for w in raw_tok]))
+    out.update(
+        rollout_is_std=_pop_std(spread) if len(spread) > 1 else 0.0,
+        rollout_is_eff_sample_size=1.0 / _mean([(v / (mean_v + 1e-8)) ** 2 for v in spread]),
+        rollout_is_seq_mean=_mean(seq_stat), rollout_is_seq_std=_sample_std(seq_stat),
+        rollout_is_seq_max=max(seq_stat), rollout_is_seq_min=min(seq_stat),
+        rollout_is_seq_max_deviation=max(abs(x - 1.0) for x in seq_stat),
+        rollout_is_seq_fraction_high=_mean([float(x > c) for x in seq_raw]),
+        rollout_is_seq_fraction_low=_mean([float(x < lo) for x in seq_raw]),
+    )
+    if lower is not None:
+        out["rollout_is_oob_ratio"] = _mean([float(w < lo or w > c) for w in raw_tok])
+    diff = [r - t for r, t in zip(mu_r, mu_t)]
+    out.update(
+        training_ppl=_mean([math.exp(-x) for x in mu_t]), training_log_ppl=_mean([-x for x in mu_t]),
+        kl=_mean(kl), k3_kl=_mean(k3), rollout_ppl=_mean([math.exp(-x) for x in mu_r]),
+        rollout_log_ppl=_mean([-x for x in mu_r]), log_ppl_diff=_mean(diff),
+        log_ppl_abs_diff=_mean([abs(x) for x in diff]), log_ppl_diff_max=max(diff), log_ppl_diff_min=min(diff),
+        ppl_ratio=_mean([math.exp(x) for x in diff]), chi2_token=_mean(rho2) - 1.0, chi2_seq=_mean(chi2_seq) - 1.0,
+    )
+    return out
+
+
+def verl_rollout_rs_reference(
+    seqs: list[Seq], train: str, bounds: dict[str, tuple[float | None, float]]
+) -> dict[str, float]:
+    """verl 0.9.1 ``compute_rollout_rejection_mask`` and ``compute_rs_metrics`` (the ``rollout_rs_*`` keys) for the
+    options of ``bounds`` (``{option: (lower, upper)}``, k1 options with both). ℓ = clamp(train − old, ±20); k1 =
+    −ℓ, k2 = ℓ²/2, k3 = e^ℓ − 1 − ℓ; k1 keeps log lower ≤ stat ≤ log upper, the others stat ≤ upper."""
+    b = _VERL_BOUND
+    rows = []
+    for tr, ro in _valid_pairs(seqs, train):
+        lrs = [min(max(x - y, -b), b) for x, y in zip(tr, ro)]
+        rows.append({"k1": [-x for x in lrs], "k2": [x * x / 2.0 for x in lrs],
+                     "k3": [math.exp(x) - 1.0 - x for x in lrs]})
+    n_tokens = sum(len(r["k1"]) for r in rows)
+    ne = [i for i, r in enumerate(rows) if r["k1"]]
+    keep_all = [[True] * len(r["k1"]) for r in rows]
+    out: dict[str, float] = {}
+    for option, (lower, upper) in bounds.items():
+        k1 = option.endswith("k1")
+        lo_t, hi_t = (math.log(lower) if lower else 0.0, math.log(upper)) if k1 else (0.0, upper)
+        stats, seq_values = [], []
+        for r in rows:
+            values = r[option[-2:]]
+            if option.startswith("token"):
+                stats.append(values)
+                seq_values.append(_mean(values) if values else 0.0)
+                continue
+            seq = (sum(values) if option.startswith("seq_sum") else _mean(values) if option.startswith("seq_mean")
+                   else max(values)) if values else 0.0
+            stats.append([seq] * len(values))
+            seq_values.append(seq)
+        keep = [[(lo_t <= x <= hi_t) if k1 else x <= hi_t for x in row] for row in stats]
+        keep_all = [[a and k for a, k in zip(ka, kr)] for ka, kr in zip(keep_all, keep)]
+        flat = [x for row in stats for x in row]
+        sv = [seq_values[i] for i in ne]
+        units = flat if option.startswith("token") else sv
+        clamped = [min(max(x, lo_t), hi_t) for x in flat]
+        p = f"rollout_rs_{option}_"
+        out.update({
+            p + "mean": _mean(flat), p + "max": max(units), p + "min": min(units),
+            p + "fraction_high": _mean([float(x > hi_t) for x in units]),
+            p + "fraction_low": _mean([float(x < lo_t) for x in units]) if k1 else 0.0,
+            p + "std": _pop_std(clamped) if len(flat) > 1 else 0.0,
+            p + "seq_mean": _mean(sv), p + "seq_std": _sample_std(sv), p + "seq_max": max(sv), p + "seq_min": min(sv),
+            p + "seq_max_deviation": max(abs(x) for x in sv),
+            p + "seq_fraction_high": _mean([float(x > hi_t) for x in sv]),
+            p + "masked_fraction": sum(not k for row in keep for k in row) / n_tokens,
+            p + "seq_masked_fraction": _mean([float(not all(keep[i])) for i in ne]),
+        })
+        if k1:
+            out[p + "seq_fraction_low"] = _mean([float(x < lo_t) for x in sv])
+    out["rollout_rs_masked_fraction"] = sum(not k for row in keep_all for k in row) / n_tokens
+    out["rollout_rs_seq_masked_fraction"] = _mean([float(not all(row)) for row in keep_all])
+    return out
+
+
+def trl_reference(
+    seqs: list[Seq], *, level: str = "token", eps: float = 0.2, eps_high: float | None = None,
+    advantages: list[list[float]] | None = None, mode: str = "sequence_mask", clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> dict[str, float]:
+    """TRL 1.16's logged ``clip_ratio/*``, ``cispo_clip_ratio``, ``kl`` and ``sampling/*`` of one batch (no
+    micro-batches), as ``--names trl`` reads a dump: ``coef_1 = exp(new − base)`` (base = prox, else old) per token,
+    or exp of the sequence's mean log-ratio; advantages one per sequence (TRL's ``(B,)``) unless ``advantages``
+    gives them per token (``(B, T)``); TRL's CISPO cap = 1 + ``eps_high``; the vLLM ratio of prox against old."""
+    eps_high = eps if eps_high is None else eps_high
+    per_sequence = level == "sequence" and advantages is None
+    low, high, low_frac, high_frac, kl = [], [], [], [], []
+    ratios, diffs = [], []
+    for i, s in enumerate(seqs):
+        v = s.valid()
+        base = s.prox if s.prox is not None else s.old
+        lrs = [float(s.new[t]) - float(base[t]) for t in v]
+        coefs = [math.exp(x) for x in lrs] if level == "token" else [math.exp(_mean(lrs) if lrs else 0.0)] * len(v)
+        ys = [float(s.ref[t]) - float(s.new[t]) for t in v]
+        kl += [(math.exp(y) - y - 1.0) * c for y, c in zip(ys, coefs)]
+        if per_sequence:  # one indicator per sequence, an empty one with ratio 1
+            c, a = (coefs[0] if coefs else 1.0), s.advantage
+            lo, hi = float(c < 1 - eps and a < 0), float(c > 1 + eps_high and a > 0)
+            low.append(lo)
+            high.append(hi)
+            low_frac.append(lo)
+            high_frac.append(hi)
+        else:
+            adv = [s.advantage] * len(v) if advantages is None else [float(advantages[i][t]) for t in v]
+            lo_t = [float(c < 1 - eps and a < 0) for c, a in zip(coefs, adv)]
+            hi_t = [float(c > 1 + eps_high and a > 0) for c, a in zip(coefs, adv)]
+            low += lo_t
+            high += hi_t
+            if v:
+                low_frac.append(_mean(lo_t))
+                high_frac.append(_mean(hi_t))
+        deltas = [float(s.prox[t]) - float(s.old[t]) for t in v]
+        diffs += [abs(d) for d in deltas]
+        raw = [math.exp(sum(deltas))] if mode.startswith("sequence") else [math.exp(d) for d in deltas]
+        lo_b = -math.inf if clip_min is None else clip_min
+        hi_b = math.inf if clip_max is None else clip_max
+        ratios += ([min(max(r, lo_b), hi_b) for r in raw] if mode.endswith("truncate")
+                   else [r if lo_b <= r <= hi_b else 0.0 for r in raw])
+    return {
+        "clip_ratio/low_mean": _mean(low), "clip_ratio/high_mean": _mean(high),
+        "clip_ratio/region_mean": _mean([a + b for a, b in zip(low, high)]),
+        "clip_ratio/low_min": min(low_frac), "clip_ratio/high_max": max(high_frac),
+        "cispo_clip_ratio": _mean(high), "kl": _mean(kl),
+        "sampling/sampling_logp_difference/mean": _mean(diffs), "sampling/sampling_logp_difference/max": max(diffs),
+        "sampling/importance_sampling_ratio/min": min(ratios), "sampling/importance_sampling_ratio/mean": _mean(ratios),
+        "sampling/importance_sampling_ratio/max": max(ratios),
+    }

@@ -16,7 +16,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from reference import random_sequences, write_sequences
+from reference import (
+    random_sequences,
+    trl_reference,
+    verl_rollout_corr_reference,
+    verl_rollout_rs_reference,
+    write_sequences,
+)
 
 from grpo_cli.cli import main
 from grpo_cli.core.peer_figures import (
@@ -33,6 +39,7 @@ from grpo_cli.metrics.config import AnalyzeConfig
 from grpo_cli.metrics.names import NAMES
 
 APPROX = {"rel": 2e-5, "abs": 1e-6}  # the peer functions work in float32 per element, the groups in float64
+EXACT = {"rel": 1e-9, "abs": 1e-12}  # the groups against the float64 references of tests/reference.py
 
 
 def run_json(capsys, *args):
@@ -116,6 +123,42 @@ def test_verl_truncated_weight_statistics_by_hand(capsys, tmp_path):
     assert older["rollout_corr/rollout_is_max"] == pytest.approx(4.0, rel=1e-6)
     assert older["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx((3.5 / 3) ** 2 / (5.25 / 3), rel=1e-6)
     assert old_doc["config"]["convention"] == "verl<=0.7"
+
+
+@pytest.mark.parametrize("args", [[], ["--rollout-is", "sequence", "--rollout-is-threshold", "0.5_5"],
+                                  ["--rollout-is-threshold", "0.5_2.0"], ["--convention", "verl<=0.7"],
+                                  ["--convention", "verl<=0.7", "--rollout-is", "sequence"]])
+def test_verl_rollout_corr_against_the_float64_reference(capsys, dump, args):
+    # The group and the batch functions share their per-token and per-sequence terms: check both prefixes against
+    # verl's definitions recomputed in plain float64 (tests/reference.py), not against each other.
+    path, seqs = dump
+    metrics = run_json(capsys, "analyze", path, "--names", "verl", "--batch-tokens", "50", *args)["metrics"]
+    opts = dict(zip(args[::2], args[1::2]))
+    upper, lower = (5.0, 0.5) if opts.get("--rollout-is-threshold") == "0.5_5" else (
+        (2.0, 0.5) if "--rollout-is-threshold" in opts else (2.0, None))
+    for train, prefix in (("prox", "rollout_corr/"), ("new", "actor/rollout_corr/")):
+        expected = verl_rollout_corr_reference(seqs, train, threshold=upper, lower=lower,
+                                               level=opts.get("--rollout-is", "token"),
+                                               truncate="--convention" not in opts)
+        for key, value in expected.items():
+            assert metrics[prefix + key] == pytest.approx(value, **EXACT), prefix + key
+
+
+def test_verl_rollout_rs_against_the_float64_reference(capsys, dump):
+    path, seqs = dump
+    options = "token_k1,token_k3,seq_sum_k3,seq_mean_k1,seq_mean_k2,seq_max_k2,seq_sum_k1"
+    threshold = "0.5_2.0,0.3,2.0,0.9_1.1,0.05,0.5,0.1_3"
+    metrics = run_json(capsys, "analyze", path, "--names", "verl", "--batch-tokens", "50", "--rollout-rs", options,
+                       "--rollout-rs-threshold", threshold)["metrics"]
+    bounds = {}
+    for option, part in zip(options.split(","), threshold.split(",")):
+        lo, hi = part.split("_") if "_" in part else (None, part)
+        bounds[option] = (None if lo is None else float(lo), float(hi))
+    for train, prefix in (("prox", "rollout_corr/"), ("new", "actor/rollout_corr/")):
+        expected = verl_rollout_rs_reference(seqs, train, bounds)
+        assert len(expected) > 90
+        for key, value in expected.items():
+            assert metrics[prefix + key] == pytest.approx(value, **EXACT), prefix + key
 
 
 def test_verl_older_release_against_the_peer_function(capsys, dump):
@@ -210,6 +253,27 @@ def test_trl_figures(capsys, dump, level):
     check(metrics, trl_sampling_metrics(prox, old, mask)[1], "sampling/")
 
 
+@pytest.mark.parametrize(("level", "args"), [("token", []), ("sequence", []),
+                                           ("token", ["--vllm-is-mode", "token_truncate", "--vllm-is-clip-min", "0.9"]),
+                                           ("sequence", ["--vllm-is-mode", "sequence_truncate",
+                                                         "--vllm-is-clip-max", "1.2"]),
+                                           ("token", ["--vllm-is-mode", "token_mask", "--vllm-is-clip-max", "1.1"])])
+def test_trl_figures_against_the_float64_reference(capsys, dump, level, args):
+    # The group and the batch functions share their per-token and per-sequence terms: check the group against
+    # TRL's definitions recomputed in plain float64 (tests/reference.py), not against the batch functions.
+    path, seqs = dump
+    metrics = run_json(capsys, "analyze", path, "--names", "trl", "--epsilon", "0.05", "--epsilon-high", "0.08",
+                       "--importance-level", level, "--batch-tokens", "50", *args)["metrics"]
+    opts = dict(zip(args[::2], args[1::2]))
+    expected = trl_reference(seqs, level=level, eps=0.05, eps_high=0.08,
+                             mode=opts.get("--vllm-is-mode", "sequence_mask"),
+                             clip_min=float(opts["--vllm-is-clip-min"]) if "--vllm-is-clip-min" in opts else None,
+                             clip_max=float(opts.get("--vllm-is-clip-max", 3.0)))
+    assert 0 < expected["clip_ratio/low_mean"] < 1 and 0 < expected["clip_ratio/high_mean"] < 1
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, **EXACT), key
+
+
 def test_trl_sequence_level_clip_ratios_with_per_token_advantages(capsys, tmp_path):
     # A per-token advantages column is TRL's (B, T) advantages: at sequence level TRL compares the sequence ratio
     # with each token's advantage and takes token means (not one indicator per sequence at its first token).
@@ -230,6 +294,10 @@ def test_trl_sequence_level_clip_ratios_with_per_token_advantages(capsys, tmp_pa
     adv = torch.tensor([list(a) + [0.0] * (width - len(a)) for a in per_token])
     expected = trl_clip_ratio_metrics(new, prox, adv, mask, epsilon_low=0.05, importance_sampling_level="sequence")
     check(metrics, expected, "clip_ratio/")
+    reference = trl_reference(seqs, level="sequence", eps=0.05, advantages=per_token)
+    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+                "clip_ratio/high_max", "cispo_clip_ratio", "kl"):
+        assert metrics[key] == pytest.approx(reference[key], **EXACT), key
     # the token means differ from the per-sequence reading (advantage at each sequence's first token)
     first = trl_clip_ratio_metrics(new, prox, adv[:, 0], mask, epsilon_low=0.05, importance_sampling_level="sequence")
     assert abs(first["low_mean"] - expected["low_mean"]) > 1e-3
@@ -322,6 +390,20 @@ def test_areal_actor_statistics(capsys, dump, options):
     n_valid = sum(sum(s.mask) for s in seqs)
     assert metrics["ppo_actor/update/n_valid_tokens_in_loss"] == n_valid
     assert metrics["ppo_actor/update/masked_token_ratio"] == pytest.approx(1 - n_valid / sum(len(s.new) for s in seqs))
+
+
+def test_areal_version_stats_against_the_float64_reference(capsys, dump):
+    # AReaL's _log_version_staleness_stats without rejection sampling: over valid generated tokens (version ≥ 0),
+    # theta = current − version and proximal = current − 1 − version (the group and areal_version_stats share them)
+    path, seqs = dump
+    metrics = run_json(capsys, "analyze", path, "--names", "areal", "--batch-tokens", "50")["metrics"]
+    lags = [s.current_version - s.versions[t] for s in seqs for t in s.valid() if s.versions[t] >= 0]
+    assert len(lags) > 100
+    for name, values in (("theta", lags), ("proximal", [x - 1 for x in lags])):
+        key = f"ppo_actor/update/version_stats/sample_staleness_{name}_"
+        assert metrics[key + "avg"] == pytest.approx(sum(values) / len(values), **EXACT)
+        assert (metrics[key + "min"], metrics[key + "max"]) == (min(values), max(values))
+    assert metrics["ppo_actor/update/version_stats/n_valid_generated_tokens"] == len(lags)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ __all__ = [
     "adv_diff_compute",
     "adv_diff_state",
     "adv_diff_update",
+    "adv_mismatch",
 ]
 
 _F64 = torch.float64
@@ -248,6 +249,24 @@ def adv_diff_state(top_k: int = 10, device: torch.device | str | None = None) ->
     return MetricState(specs, device)
 
 
+def adv_mismatch(
+    expected: Tensor, dumped: Tensor, compare: Tensor, atol: float, rtol: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Where recomputed advantages disagree with the dump: ``(|expected − dumped|`` in float64, where it is finite,
+    the compared tokens that mismatch)``; a token mismatches when the difference exceeds ``atol + rtol·|expected|``
+    or is not finite. Broadcasting: :func:`adv_diff_update` compares ``[N]`` tokens, the variant search of
+    ``grpo-cli advantages`` ``[V, N]`` variants at once.
+
+    Example:
+        >>> adv_mismatch(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]), torch.tensor([True, True]), 0.1, 0.0)[2]
+        tensor([False,  True])
+    """
+    exp64 = expected.to(_F64)
+    diff = (exp64 - dumped.to(device=exp64.device, dtype=_F64)).abs()
+    finite = torch.isfinite(diff)
+    return diff, finite, compare & ((~finite) | (diff > atol + rtol * exp64.abs()))
+
+
 def adv_diff_update(
     state: MetricState,
     *,
@@ -282,11 +301,9 @@ def adv_diff_update(
         raise ValueError(f"atol and rtol must be >= 0, got {atol}, {rtol}")
     device = expected.device
     exp64, dump64 = expected.to(_F64), dumped.to(device=device, dtype=_F64)
-    diff = (exp64 - dump64).abs()
-    finite = torch.isfinite(diff)
+    diff, finite, bad = adv_mismatch(exp64, dump64, compare, atol, rtol)
     # A NaN/inf on either side is a mismatch of unbounded size: rank it as +inf.
     absd = torch.where(compare, torch.where(finite, diff, math.inf), -math.inf)
-    bad = compare & ((~finite) | (diff > atol + rtol * exp64.abs()))
     n_seq = cu_seqlens.numel() - 1
     lengths = lengths_from_cu_seqlens(cu_seqlens)
     seq = segment_ids(cu_seqlens, expected.numel())

@@ -51,6 +51,8 @@ __all__ = [
     "kl_families_compute",
     "kl_families_state",
     "kl_families_update",
+    "pearson_from_sums",
+    "pearson_sums",
     "working_logp",
 ]
 
@@ -156,7 +158,6 @@ def kl_families_compute(state: MetricState) -> dict[str, Any]:
 def behave_state(device: torch.device | str | None = None) -> MetricState:
     """An empty state for :func:`behave_update`."""
     specs = {
-        "n_tokens": count(),
         "n_kept": count(),
         "sum_w": total(),
         "min_w": minimum(),
@@ -194,7 +195,6 @@ def behave_update(
     prox = working_logp(prox_logp, temperature)
     old = working_logp(old_logp, temperature)
     n = prox.numel()
-    state.update(n_tokens=torch.tensor(n))
     if n == 0:
         return
     delta = prox - old  # AReaL behave_approx_kl = ℓp − ℓb
@@ -225,6 +225,27 @@ def behave_compute(state: MetricState) -> dict[str, Any]:
 
 
 # -- importance-weight health (verl rollout-correction metrics) ---------------------------------------------------
+
+
+def pearson_sums(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(Σa, Σb, Σa², Σb², Σab)`` of paired values, the sums :func:`pearson_from_sums` reads: ``prob/pearson`` and
+    verl's ``training/rollout_actor_probs_pearson_corr`` (the ``--names verl`` group) stream them."""
+    return a.sum(), b.sum(), (a * a).sum(), (b * b).sum(), (a * b).sum()
+
+
+def pearson_from_sums(n: int, sa: float, sb: float, saa: float, sbb: float, sab: float) -> float | None:
+    """Pearson correlation of ``n`` pairs from :func:`pearson_sums` (population moments); ``None`` when either
+    variance is not positive.
+
+    Example:
+        >>> pearson_from_sums(3, 6.0, 12.0, 14.0, 56.0, 28.0)  # a = [1, 2, 3], b = 2a
+        1.0
+    """
+    ea, eb = sa / n, sb / n
+    var_a, var_b = saa / n - ea * ea, sbb / n - eb * eb
+    if var_a > 0 and var_b > 0:
+        return (sab / n - ea * eb) / math.sqrt(var_a * var_b)
+    return None
 
 
 def importance_state(device: torch.device | str | None = None) -> MetricState:
@@ -325,9 +346,8 @@ def importance_update(
         abs_log_diff=_f64sum(log_diff.abs()),
         ppl_ratio=_f64sum(torch.exp(log_diff)),
     )
-    a = torch.exp(new).to(torch.float64)
-    b = torch.exp(old).to(torch.float64)
-    state.update(pa=a.sum(), pb=b.sum(), paa=(a * a).sum(), pbb=(b * b).sum(), pab=(a * b).sum())
+    sums = pearson_sums(torch.exp(new).to(torch.float64), torch.exp(old).to(torch.float64))
+    state.update(**dict(zip(("pa", "pb", "paa", "pbb", "pab"), sums)))
 
 
 def importance_compute(state: MetricState) -> dict[str, Any]:
@@ -374,10 +394,9 @@ def importance_compute(state: MetricState) -> dict[str, Any]:
         out["ppl/log_diff_mean"] = _mean(s, "log_diff", "n_seq_old")
         out["ppl/log_diff_abs_mean"] = _mean(s, "abs_log_diff", "n_seq_old")
         out["ppl/ratio"] = _mean(s, "ppl_ratio", "n_seq_old")
-    ea, eb = float(s["pa"]) / n, float(s["pb"]) / n
-    var_a, var_b = float(s["paa"]) / n - ea * ea, float(s["pbb"]) / n - eb * eb
-    if var_a > 0 and var_b > 0:
-        out["prob/pearson"] = (float(s["pab"]) / n - ea * eb) / math.sqrt(var_a * var_b)
+    pearson = pearson_from_sums(n, *(float(s[k]) for k in ("pa", "pb", "paa", "pbb", "pab")))
+    if pearson is not None:
+        out["prob/pearson"] = pearson
     return out
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "areal_actor_stats",
     "areal_kl_div_stats",
     "areal_kl_div_terms",
+    "areal_staleness",
     "areal_token_stats",
     "areal_version_stats",
 ]
@@ -87,6 +88,19 @@ def areal_kl_div_stats(logprobs: Tensor, old_logp: Tensor, mask: Tensor) -> dict
     return out
 
 
+def areal_staleness(versions: Tensor, current_version: Tensor | int, keep: Tensor) -> Tensor:
+    """AReaL's ``sample_staleness_theta`` of the generated tokens (``version ≥ 0``) that ``keep`` holds:
+    ``current_version − version`` (``_log_version_staleness_stats``; the proximal staleness is one less, its
+    ``v_proximal`` being ``current − 1``). ``current_version``: one int, or a tensor broadcastable to ``versions``.
+    The batch function :func:`areal_version_stats` and the streaming ``--names areal`` group both call it.
+
+    Example:
+        >>> areal_staleness(torch.tensor([3, 5, -1]), 6, torch.tensor([True, True, True])).tolist()
+        [3, 1]
+    """
+    return (current_version - versions)[keep & (versions >= 0)]
+
+
 def areal_version_stats(versions: Tensor, current_version: int, mask: Tensor) -> dict[str, float]:
     """AReaL's ``version_stats/*`` (``_log_version_staleness_stats``).
 
@@ -102,13 +116,12 @@ def areal_version_stats(versions: Tensor, current_version: int, mask: Tensor) ->
     """
     m = as_bool_mask(mask, "mask")
     check_same_shape("versions", versions, mask=m)
-    keep = m & (versions >= 0)
-    n = int(keep.sum())
+    theta = areal_staleness(versions, current_version, m).to(F64)
+    n = theta.numel()
     if n == 0:
         return {}
-    v_behave = versions[keep].to(F64)
     out: dict[str, float] = {}
-    for name, lag in (("proximal", (current_version - 1) - v_behave), ("theta", current_version - v_behave)):
+    for name, lag in (("proximal", theta - 1.0), ("theta", theta)):
         out[f"sample_staleness_{name}_avg"] = float(lag.mean())
         out[f"sample_staleness_{name}_max"] = float(lag.max())
         out[f"sample_staleness_{name}_min"] = float(lag.min())

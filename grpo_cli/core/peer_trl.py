@@ -14,34 +14,52 @@ from grpo_cli.core._loss_common import (
 )
 from grpo_cli.core._peer_common import (
     F64,
-    masked_max,
-    masked_mean,
+    pack,
+    packed_mean,
     prepare,
-    row_means,
-    where,
+    sequence_means,
 )
-from grpo_cli.core.kl import kl_estimate
+from grpo_cli.core.kl import k3_of_log_weight
+from grpo_cli.core.packing import broadcast_to_tokens, lengths_from_cu_seqlens, segment_sum
 
 __all__ = [
     "trl_bound_is_ratio",
     "trl_cispo_clip_ratio",
     "trl_clip_indicators",
     "trl_clip_ratio_metrics",
+    "trl_clip_terms",
+    "trl_clip_units",
+    "trl_importance_ratio",
+    "trl_kl_terms",
     "trl_logged_kl",
     "trl_sampling_metrics",
+    "trl_sampling_terms",
 ]
 
 
-def _trl_coef(log_prob: Tensor, old_log_prob: Tensor, m: Tensor, cd: torch.dtype, level: str) -> Tensor:
-    """TRL's ``coef_1``: ``exp(ℓ − ℓ_old)`` per token, or the sequence mean log-ratio broadcast (no clamp)."""
-    log_ratio = where(m, log_prob.to(cd) - old_log_prob.detach().to(cd))
+def trl_importance_ratio(log_ratio: Tensor, cu_seqlens: Tensor, level: str) -> Tensor:
+    """TRL's ``coef_1`` of packed valid tokens (``GRPOTrainer._compute_loss``, no clamp): ``exp(ℓ − ℓ_old)`` per
+    token, or at ``level="sequence"`` exp of the sequence's mean log-ratio on each of its tokens. The batch
+    functions and the streaming ``--names trl`` group both call it.
+
+    Example:
+        >>> trl_importance_ratio(torch.log(torch.tensor([2.0, 8.0])), torch.tensor([0, 2]), "sequence").tolist()
+        [4.0, 4.0]
+    """
     if level == "token":
         return torch.exp(log_ratio)
     if level != "sequence":
         raise ValueError(f"Unknown importance sampling level: {level}. Possible values are 'token' and 'sequence'.")
-    n = m.sum(-1, keepdim=True).to(F64).clamp(min=1.0)
-    seq = (log_ratio.to(F64).sum(-1, keepdim=True) / n).to(cd)
-    return torch.exp(seq).expand_as(log_ratio)
+    mean = sequence_means(log_ratio, cu_seqlens)
+    return torch.exp(broadcast_to_tokens(mean, cu_seqlens, log_ratio.numel()).to(log_ratio.dtype))
+
+
+def trl_kl_terms(log_prob: Tensor, ref_log_prob: Tensor, coef: Tensor | None = None) -> Tensor:
+    """TRL's per-token logged ``kl``: ``k3 = e^{ℓ_ref − ℓ} − (ℓ_ref − ℓ) − 1`` (:mod:`grpo_cli.core.kl`) times
+    ``coef_1`` under ``use_bias_correction_kl`` (``coef`` None: TRL's on-policy shortcut, ``coef_1 = 1``). The
+    batch function :func:`trl_logged_kl` and the streaming ``--names trl`` group both call it."""
+    k3 = k3_of_log_weight(ref_log_prob - log_prob)
+    return k3 if coef is None else k3 * coef
 
 
 def trl_logged_kl(
@@ -66,11 +84,12 @@ def trl_logged_kl(
         0.735759
     """
     m, cd = prepare(log_prob, mask, old_log_prob=old_log_prob, ref_log_prob=ref_log_prob)
-    lp = where(m, log_prob.detach().to(cd))
-    k3 = kl_estimate(lp, where(m, ref_log_prob.detach().to(cd)), "k3")
+    cu, (lp, ref) = pack(m, log_prob.detach().to(cd), ref_log_prob.detach().to(cd))
+    coef = None
     if use_bias_correction_kl and old_log_prob is not None:
-        k3 = k3 * _trl_coef(lp, old_log_prob, m, cd, importance_sampling_level)
-    return masked_mean(k3, m)
+        old = pack(m, old_log_prob.detach().to(cd))[1][0]
+        coef = trl_importance_ratio(lp - old, cu, importance_sampling_level)
+    return packed_mean(trl_kl_terms(lp, ref, coef))
 
 
 def _trl_advantages(advantages: Tensor, log_prob: Tensor) -> Tensor:
@@ -92,8 +111,7 @@ def trl_clip_indicators(
     coef: Tensor, advantages: Tensor, epsilon_low: float, epsilon_high: float
 ) -> tuple[Tensor, Tensor]:
     """TRL's ``is_low_clipped = (coef_1 < 1 − ε_low) & (A < 0)`` and ``is_high_clipped = (coef_1 > 1 + ε_high) &
-    (A > 0)`` (``GRPOTrainer._compute_loss``), for any broadcastable shapes: the batch figures
-    (:func:`trl_clip_ratio_metrics`) and the streaming ``--names trl`` group both call it.
+    (A > 0)`` (``GRPOTrainer._compute_loss``), for any broadcastable shapes (:func:`trl_clip_terms`).
 
     Example:
         >>> low, high = trl_clip_indicators(torch.tensor([0.5, 1.5]), torch.tensor([-1.0, 1.0]), 0.2, 0.2)
@@ -105,8 +123,8 @@ def trl_clip_indicators(
 
 def trl_bound_is_ratio(ratio: Tensor, mode: str, clip_min: float | None, clip_max: float | None) -> Tensor:
     """TRL's vLLM importance-sampling ratio after its bounds (``_generate_and_score_completions``): ``*_truncate``
-    clamps to ``[clip_min, clip_max]``, ``*_mask`` sets ratios outside to 0 (a missing bound is no bound). The
-    batch figures (:func:`trl_sampling_metrics`) and the streaming ``--names trl`` group both call it.
+    clamps to ``[clip_min, clip_max]``, ``*_mask`` sets ratios outside to 0 (a missing bound is no bound), for
+    :func:`trl_sampling_terms`.
 
     Example:
         >>> r = torch.tensor([0.5, 2.0, 4.0])
@@ -122,15 +140,78 @@ def trl_bound_is_ratio(ratio: Tensor, mode: str, clip_min: float | None, clip_ma
     return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
 
 
-def _trl_indicator_means(x: Tensor, m: Tensor) -> tuple[float, Tensor]:
-    """TRL's ``global_masked_mean`` and ``masked_seq_mean`` of an indicator ``x`` (``[B, 1]`` or ``[B, T]``): a
-    ``[B, 1]`` one is one value per sequence (every row counts, the mask is not read); a wider one is masked token
-    means (``masked_seq_mean``: NaN for a row without a valid token)."""
-    if x.shape[1] == 1:
-        rows = x.to(F64).reshape(-1)
-        return (float(rows.mean()) if rows.numel() else 0.0), rows
-    n = m.sum(-1)
-    return masked_mean(x, m), row_means(x, m)[n > 0]
+def _row_first(values: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """Each sequence's first packed value (0 for an empty sequence)."""
+    lengths = lengths_from_cu_seqlens(cu_seqlens).to(values.device)
+    if values.numel() == 0:
+        return torch.zeros(lengths.numel(), dtype=values.dtype, device=values.device)
+    first = values.index_select(0, cu_seqlens[:-1].to(values.device).clamp(max=values.numel() - 1))
+    return torch.where(lengths > 0, first, torch.zeros_like(first))
+
+
+def trl_clip_units(coef: Tensor, advantages: Tensor, cu_seqlens: Tensor, per_sequence: bool) -> tuple[Tensor, Tensor]:
+    """The ``(coef_1, advantage)`` pairs TRL's clip indicators compare, from packed valid tokens: the tokens', or
+    with ``per_sequence`` one pair per sequence (TRL's ``(B, 1)`` sequence ratio against its ``(B,)``
+    advantages; an empty sequence has ratio ``exp(0) = 1``, is never clipped, and counts)."""
+    if not per_sequence:
+        return coef, advantages
+    lengths = lengths_from_cu_seqlens(cu_seqlens).to(coef.device)
+    ones = torch.ones_like(lengths, dtype=coef.dtype)
+    return torch.where(lengths > 0, _row_first(coef, cu_seqlens), ones), _row_first(advantages, cu_seqlens)
+
+
+def trl_clip_terms(
+    coef: Tensor,
+    advantages: Tensor,
+    cu_seqlens: Tensor,
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+    per_sequence: bool,
+) -> dict[str, Tensor]:
+    """TRL's ``clip_ratio/*`` indicators of packed valid tokens and their per-sequence reductions. The batch
+    function :func:`trl_clip_ratio_metrics` and the streaming ``--names trl`` group both call it.
+
+    Args:
+        coef: ``[N]`` TRL's ``coef_1`` (:func:`trl_importance_ratio`).
+        advantages: ``[N]`` each token's advantage.
+        cu_seqlens: ``[B + 1]`` offsets.
+        epsilon_low, epsilon_high: TRL's ``epsilon_low``, ``epsilon_high``.
+        per_sequence: one indicator per sequence (:func:`trl_clip_units`), else one per token.
+
+    Returns:
+        ``low``, ``high``: the indicators (:func:`trl_clip_indicators`) of the units ``low_mean``/``high_mean``
+        average over; per sequence (float64) ``units`` (how many it has), ``low_count``, ``high_count`` and
+        ``low_fraction``, ``high_fraction`` (TRL's ``masked_seq_mean``: NaN for a sequence without a unit).
+    """
+    c, a = trl_clip_units(coef, advantages, cu_seqlens, per_sequence)
+    low, high = trl_clip_indicators(c, a, epsilon_low, epsilon_high)
+    if per_sequence:
+        low64, high64 = low.to(F64), high.to(F64)
+        return {"low": low, "high": high, "units": torch.ones_like(c), "low_count": low64, "high_count": high64,
+                "low_fraction": low64, "high_fraction": high64}
+    lengths = lengths_from_cu_seqlens(cu_seqlens).to(coef.device)
+    has = lengths > 0
+    denom = lengths.to(F64).clamp(min=1.0)
+    low_seq, high_seq = segment_sum(low.to(F64), cu_seqlens, F64), segment_sum(high.to(F64), cu_seqlens, F64)
+    nan = torch.full_like(low_seq, math.nan)
+    return {"low": low, "high": high, "units": lengths.to(F64), "low_count": low_seq, "high_count": high_seq,
+            "low_fraction": torch.where(has, low_seq / denom, nan),
+            "high_fraction": torch.where(has, high_seq / denom, nan)}
+
+
+def _clip_inputs(
+    log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor, level: str
+) -> tuple[Tensor, Tensor, Tensor, bool]:
+    """Packed ``coef_1``, per-token advantages and offsets of padded inputs, and whether TRL's indicators are one
+    per sequence: its ``(B, 1)`` ratio (sequence level, or ``T = 1``) against ``(B, 1)`` advantages."""
+    m, cd = prepare(log_prob, mask, old_log_prob=old_log_prob)
+    adv = _trl_advantages(advantages, log_prob).detach().to(cd)
+    cu, (lp, old, adv_tokens) = pack(m, log_prob.detach().to(cd), old_log_prob.detach().to(cd),
+                                     adv.expand(m.shape))
+    coef = trl_importance_ratio(lp - old, cu, level)
+    per_sequence = (level == "sequence" or m.shape[1] == 1) and adv.shape[1] == 1
+    return coef, adv_tokens, cu, per_sequence
 
 
 def trl_clip_ratio_metrics(
@@ -162,20 +243,14 @@ def trl_clip_ratio_metrics(
     """
     eps_lo = check_real(epsilon_low, "epsilon_low", minimum=0.0)
     eps_hi = eps_lo if epsilon_high is None else check_real(epsilon_high, "epsilon_high", minimum=0.0)
-    m, cd = prepare(log_prob, mask, old_log_prob=old_log_prob)
-    coef = _trl_coef(log_prob.detach(), old_log_prob, m, cd, importance_sampling_level)
-    if importance_sampling_level == "sequence":
-        coef = coef[:, :1]  # TRL's (B, 1) sequence ratio
-    adv = _trl_advantages(advantages, log_prob).detach().to(cd)
-    low, high = trl_clip_indicators(coef, adv, eps_lo, eps_hi)
-    low_mean, low_seq = _trl_indicator_means(low, m)
-    high_mean, high_seq = _trl_indicator_means(high, m)
-    region_mean, _ = _trl_indicator_means(low | high, m)
+    coef, adv, cu, per_sequence = _clip_inputs(log_prob, old_log_prob, advantages, mask, importance_sampling_level)
+    t = trl_clip_terms(coef, adv, cu, epsilon_low=eps_lo, epsilon_high=eps_hi, per_sequence=per_sequence)
+    low_seq, high_seq = t["low_fraction"], t["high_fraction"]
     low_seq, high_seq = low_seq[~torch.isnan(low_seq)], high_seq[~torch.isnan(high_seq)]
     return {
-        "low_mean": low_mean,
-        "high_mean": high_mean,
-        "region_mean": region_mean,
+        "low_mean": packed_mean(t["low"]),
+        "high_mean": packed_mean(t["high"]),
+        "region_mean": packed_mean(t["low"] | t["high"]),
         "low_min": float(low_seq.min()) if low_seq.numel() else math.nan,
         "high_max": float(high_seq.max()) if high_seq.numel() else math.nan,
     }
@@ -202,12 +277,9 @@ def trl_cispo_clip_ratio(
         0.5
     """
     eps_hi = check_real(epsilon_high, "epsilon_high", minimum=0.0)
-    m, cd = prepare(log_prob, mask, old_log_prob=old_log_prob)
-    coef = _trl_coef(log_prob.detach(), old_log_prob, m, cd, importance_sampling_level)
-    if importance_sampling_level == "sequence":
-        coef = coef[:, :1]
-    clipped = (coef > eps_hi) & (_trl_advantages(advantages, log_prob).detach().to(cd) > 0)
-    return _trl_indicator_means(clipped, m)[0]
+    coef, adv, cu, per_sequence = _clip_inputs(log_prob, old_log_prob, advantages, mask, importance_sampling_level)
+    c, a = trl_clip_units(coef, adv, cu, per_sequence)
+    return packed_mean((c > eps_hi) & (a > 0))
 
 
 _TRL_IS_MODES = TRL_VLLM_IS_MODES
@@ -246,21 +318,46 @@ def trl_sampling_metrics(
     if mode not in _TRL_IS_MODES:
         raise ValueError(f"Unknown vLLM importance sampling level: {mode}. Possible values are {_TRL_IS_MODES}.")
     m, cd = prepare(old_log_prob, mask, sampling_log_prob=sampling_log_prob)
-    old, samp = old_log_prob.detach().to(cd), sampling_log_prob.detach().to(cd)
-    diff = torch.nan_to_num(where(m, old - samp), nan=0.0)
-    sequence = mode.startswith("sequence")
-    log_w = diff.to(F64).sum(-1, keepdim=True).to(cd) if sequence else diff
-    ratio = trl_bound_is_ratio(torch.exp(log_w), mode, clip_min, clip_max)
-    delta = (old - samp).abs()
-    keep = m & ~torch.isnan(delta)
-    n = int(keep.sum())
-    out = {
-        "sampling_logp_difference/mean": masked_mean(delta, keep) if n else 0.0,
-        "sampling_logp_difference/max": masked_max(delta, keep) if n else 0.0,
-    }
-    flat = ratio.reshape(-1).to(F64) if sequence else ratio[m].to(F64)
+    cu, (old, samp) = pack(m, old_log_prob.detach().to(cd), sampling_log_prob.detach().to(cd))
+    t = trl_sampling_terms(old, samp, cu, mode=mode, clip_min=clip_min, clip_max=clip_max)
+    delta, flat = t["logp_difference"], t["ratio"]
     empty = flat.numel() == 0
-    out["importance_sampling_ratio/min"] = 0.0 if empty else float(flat.min())
-    out["importance_sampling_ratio/mean"] = 0.0 if empty else float(flat.mean())
-    out["importance_sampling_ratio/max"] = 0.0 if empty else float(flat.max())
+    out = {
+        "sampling_logp_difference/mean": packed_mean(delta),
+        "sampling_logp_difference/max": float(delta.max()) if delta.numel() else 0.0,
+        "importance_sampling_ratio/min": 0.0 if empty else float(flat.min()),
+        "importance_sampling_ratio/mean": packed_mean(flat),
+        "importance_sampling_ratio/max": 0.0 if empty else float(flat.max()),
+    }
+    if mode.startswith("sequence"):
+        return flat.reshape(-1, 1), out
+    ratio = trl_bound_is_ratio(torch.ones_like(old_log_prob, dtype=cd), mode, clip_min, clip_max)  # exp(0) off the mask
+    ratio[m] = flat
     return ratio, out
+
+
+def trl_sampling_terms(
+    old_log_prob: Tensor,
+    sampling_log_prob: Tensor,
+    cu_seqlens: Tensor,
+    *,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> dict[str, Tensor]:
+    """TRL's vLLM importance-sampling ratio of packed valid tokens and the values its ``sampling/*`` figures
+    reduce (``_generate_and_score_completions``). The batch function :func:`trl_sampling_metrics` and the
+    streaming ``--names trl`` group both call it.
+
+    Returns:
+        ``logp_difference``: ``|ℓ_old − ℓ_sampling|`` of the tokens where it is not NaN; ``ratio``: per token
+        ``exp(Δ)`` (token modes) or per sequence ``exp(Σ Δ)`` (sequence modes; an empty sequence ``exp(0)``), after
+        :func:`trl_bound_is_ratio`, ``Δ = ℓ_old − ℓ_sampling`` with NaN as 0.
+    """
+    if mode not in _TRL_IS_MODES:
+        raise ValueError(f"Unknown vLLM importance sampling level: {mode}. Possible values are {_TRL_IS_MODES}.")
+    delta = old_log_prob - sampling_log_prob
+    difference = delta.abs()[~torch.isnan(delta)]
+    zeroed = torch.nan_to_num(delta, nan=0.0)
+    log_w = segment_sum(zeroed, cu_seqlens, F64).to(delta.dtype) if mode.startswith("sequence") else zeroed
+    return {"logp_difference": difference, "ratio": trl_bound_is_ratio(torch.exp(log_w), mode, clip_min, clip_max)}

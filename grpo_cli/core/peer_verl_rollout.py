@@ -1,6 +1,6 @@
 """verl's rollout correction as it logs it (``verl/trainer/ppo/rollout_corr_helper.py``:
-``compute_rollout_correction_weights``, ``compute_is_metrics``, ``compute_rollout_rejection_mask``,
-``compute_rs_metrics``, ``compute_offpolicy_metrics``). Re-exported by :mod:`grpo_cli.core.peer_figures`."""
+``compute_rollout_correction_weights``, ``compute_is_metrics``, ``compute_offpolicy_metrics``; the rejection
+sampling is :mod:`grpo_cli.core.peer_verl_rs`). Re-exported by :mod:`grpo_cli.core.peer_figures`."""
 
 from __future__ import annotations
 
@@ -9,43 +9,76 @@ import math
 import torch
 from torch import Tensor
 
-from grpo_cli._choices import VERL_RS_OPTIONS
 from grpo_cli.core._loss_common import (
     check_real,
 )
 from grpo_cli.core._peer_common import (
     F64,
     VERL_SAFETY_BOUND,
-    masked_max,
-    masked_mean,
-    masked_min,
+    fold_one_batch,
+    pack,
     prepare,
-    row_means,
-    row_sums,
-    where,
+    sequence_means,
 )
 from grpo_cli.core.kl import k3_of_log_weight
+from grpo_cli.core.packing import broadcast_to_tokens, segment_sum
+from grpo_cli.core.state import MetricState, StateSpec, count, maximum, minimum, total
 
 __all__ = [
-    "VERL_RS_OPTIONS",
+    "verl_count_specs",
+    "verl_counts",
+    "verl_is_figures",
+    "verl_is_specs",
     "verl_is_spread_values",
+    "verl_is_sums",
     "verl_is_threshold",
     "verl_is_weights",
+    "verl_log_ratio_terms",
+    "verl_offpolicy_figures",
     "verl_offpolicy_metrics",
+    "verl_offpolicy_specs",
+    "verl_offpolicy_sums",
     "verl_rollout_is",
-    "verl_rollout_rs",
-    "verl_rs_bounds",
-    "verl_rs_keep",
-    "verl_rs_options",
-    "verl_rs_statistics",
-    "verl_rs_thresholds",
 ]
+
+# verl logs its rollout-correction metrics per training batch. Each family is written once as *_sums (the float64
+# sums, int64 counts and extrema of one batch of packed valid tokens), folded into a MetricState declared by
+# *_specs, and *_figures (the metrics from the folded state): the batch functions fold their one batch, the
+# streaming --names verl group every batch of the dump.
+
+
+def _f64(x: Tensor) -> Tensor:
+    return x.to(F64)
+
+
+def verl_count_specs() -> dict[str, StateSpec]:
+    """The denominators every ``*_figures`` function reads: ``n`` valid tokens, ``rows`` sequences (all of them)."""
+    return {"n": count(), "rows": count()}
+
+
+def verl_counts(n_tokens: int, cu_seqlens: Tensor) -> dict[str, Tensor]:
+    """One batch's :func:`verl_count_specs` entries."""
+    return {"n": torch.tensor(n_tokens), "rows": torch.tensor(cu_seqlens.numel() - 1)}
+
+
+def verl_log_ratio_terms(train: Tensor, rollout: Tensor, cu_seqlens: Tensor) -> dict[str, Tensor]:
+    """What verl's IS weights and off-policy metrics both read of ``ℓ = train − rollout`` (packed valid tokens, in
+    their dtype): per token ``log_ratio`` (ℓ) and ``ratio`` (``exp(clamp(ℓ, ±20))``), per sequence ``log_sum``
+    (Σℓ in float64, 0 for an empty sequence).
+
+    Example:
+        >>> t = verl_log_ratio_terms(torch.tensor([0.0, 1.0, 2.0]), torch.zeros(3), torch.tensor([0, 2, 3]))
+        >>> t["log_sum"].tolist()
+        [1.0, 2.0]
+    """
+    log_ratio = train - rollout
+    return {"log_ratio": log_ratio, "ratio": torch.exp(log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)),
+            "log_sum": segment_sum(log_ratio, cu_seqlens, F64)}
 
 
 def verl_is_weights(raw: Tensor, threshold: float, threshold_lower: float | None) -> Tensor:
     """verl's processed rollout IS weights from the raw ``w``: TIS ``min(w, C)`` without ``threshold_lower``,
-    IcePop ``w·[lower ≤ w ≤ C]`` with it (``compute_rollout_correction_weights``). The batch function
-    :func:`verl_rollout_is` and the streaming ``--names verl`` group both call it.
+    IcePop ``w·[lower ≤ w ≤ C]`` with it (``compute_rollout_correction_weights``), for :func:`verl_is_sums`.
 
     Example:
         >>> w = torch.tensor([4.0, 0.25, 1.0])
@@ -63,6 +96,117 @@ def verl_is_spread_values(raw: Tensor, weights: Tensor, threshold: float, lower:
     clamped to ``[0, C]`` (verl 0.8 and later, ``truncate``), or the raw ones clamped to ``[lower, C]`` (verl 0.7
     and earlier; ``lower`` = IcePop's bound or ``1/C``)."""
     return weights.clamp(min=0.0, max=threshold) if truncate else raw.clamp(min=lower, max=threshold)
+
+
+def verl_is_specs() -> dict[str, StateSpec]:
+    """The state :func:`verl_is_sums` folds into (besides :func:`verl_count_specs`)."""
+    specs = {k: total() for k in ("w", "v", "v2", "r", "r2")}
+    specs.update({k: count() for k in ("n_high", "n_low", "n_oob", "rows_high", "rows_low")})
+    specs.update({k: maximum() for k in ("w_max", "r_max", "dev_max", "lr_max")})
+    specs.update({k: minimum() for k in ("w_min", "r_min", "lr_min")})
+    return specs
+
+
+def verl_is_sums(
+    log_terms: dict[str, Tensor],
+    cu_seqlens: Tensor,
+    *,
+    level: str = "token",
+    threshold: float = 2.0,
+    threshold_lower: float | None = None,
+    truncate: bool = True,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """verl's rollout IS weights of packed valid tokens (``compute_rollout_correction_weights``) and what its
+    ``rollout_is_*`` metrics (``compute_is_metrics``, :func:`verl_is_figures`) need of them. The weights and their
+    statistics are computed in the tokens' dtype, the sums in float64.
+
+    Args:
+        log_terms: :func:`verl_log_ratio_terms` of the batch.
+        cu_seqlens: ``[B + 1]`` offsets of the packed tokens.
+        level, threshold, threshold_lower, truncate: as in :func:`verl_rollout_is`.
+
+    Returns:
+        ``(weights, sums)``: the processed weights ``[N]`` the loss uses and the entries of :func:`verl_is_specs`:
+        of the weights the statistics describe (``w``: ``min(w, C)`` or, ``truncate=False``, the raw ``w``) the sum
+        and token extremes, of the spread values ``v`` (:func:`verl_is_spread_values`) the sum and sum of
+        squares, the raw weights above ``C`` and below ``lo`` (per sequence at sequence level: its log-sum
+        against ``log C``, ``log lo``, with the extremes of the log-sums), with IcePop those outside ``[lo, C]``;
+        of the per-sequence means ``r`` of ``w`` (an empty sequence 0) the sum, sum of squares, extremes and
+        largest ``|r − 1|``, and the sequences whose mean raw weight is above ``C``, below ``lo``. ``lo`` is
+        ``threshold_lower`` or ``1/C``.
+    """
+    c, lower = threshold, threshold_lower
+    lo = 1.0 / c if lower is None else lower
+    ratio = log_terms["ratio"]
+    if level == "sequence":
+        seq_log = _f64(log_terms["log_sum"].to(ratio.dtype))  # verl's sums are in the log-probs' dtype
+        bounded = seq_log.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
+        raw = torch.exp(broadcast_to_tokens(bounded, cu_seqlens, ratio.numel()).to(ratio.dtype))
+        high, low = seq_log > math.log(c), seq_log < (math.log(lo) if lo > 0 else -math.inf)
+    else:
+        raw = ratio
+        high, low = raw > c, raw < lo
+    weights = verl_is_weights(raw, c, lower)
+    stat = weights if truncate else raw
+    w, v = _f64(stat), _f64(verl_is_spread_values(raw, weights, c, lo, truncate))
+    row_w, row_raw = sequence_means(stat, cu_seqlens), sequence_means(raw, cu_seqlens)
+    sums = {
+        "w": w.sum(), "v": v.sum(), "v2": (v * v).sum(), "n_high": high.sum(), "n_low": low.sum(),
+        "r": row_w.sum(), "r2": (row_w * row_w).sum(), "rows_high": (row_raw > c).sum(),
+        "rows_low": (row_raw < lo).sum(),
+    }
+    if lower is not None:  # IcePop
+        sums["n_oob"] = ((raw < lo) | (raw > c)).sum()
+    if level == "token" and w.numel():  # at sequence level the extremes come from the log-sums
+        sums.update(w_max=w.max(), w_min=w.min())
+    if row_w.numel():
+        sums.update(r_max=row_w.max(), r_min=row_w.min(), dev_max=(row_w - 1.0).abs().max())
+        if level == "sequence":
+            sums.update(lr_max=seq_log.max(), lr_min=seq_log.min())
+    return weights, sums
+
+
+def verl_is_figures(
+    state: MetricState, *, level: str = "token", icepop: bool = False, prefix: str = ""
+) -> dict[str, float]:
+    """verl's ``rollout_is_*`` metrics (:func:`verl_rollout_is`) from the sums :func:`verl_is_sums` folded into
+    ``state`` (entries named ``prefix + key``); ``{}`` without a valid token (verl raises)."""
+    def get(key: str) -> Tensor:
+        return state[prefix + key]
+
+    n, rows = int(get("n")), int(get("rows"))
+    if n == 0 or rows == 0:
+        return {}
+    sequence = level == "sequence"
+    v_mean, v_sq = float(get("v")) / n, float(get("v2")) / n
+    r_mean = float(get("r")) / rows
+    r_var = (float(get("r2")) - rows * r_mean * r_mean) / (rows - 1) if rows > 1 else 0.0
+    if sequence:  # verl: exp of the extreme log-sums (the max capped at exp(20)), fractions over sequences
+        is_max = math.exp(min(float(get("lr_max")), VERL_SAFETY_BOUND))
+        is_min = math.exp(float(get("lr_min")))
+    else:
+        is_max, is_min = float(get("w_max")), float(get("w_min"))
+    frac_den = rows if sequence else n
+    out = {
+        "rollout_is_mean": float(get("w")) / n,
+        "rollout_is_max": is_max,
+        "rollout_is_min": is_min,
+        "rollout_is_std": math.sqrt(max(v_sq - v_mean * v_mean, 0.0)) if n > 1 else 0.0,
+        # 1 / mean((v / (mean v + 1e-8))²), from the moments
+        "rollout_is_eff_sample_size": (v_mean + 1e-8) ** 2 / v_sq if v_sq > 0 else math.nan,
+        "rollout_is_ratio_fraction_high": int(get("n_high")) / frac_den,
+        "rollout_is_ratio_fraction_low": int(get("n_low")) / frac_den,
+        "rollout_is_seq_mean": r_mean,
+        "rollout_is_seq_std": math.sqrt(max(r_var, 0.0)),
+        "rollout_is_seq_max": float(get("r_max")),
+        "rollout_is_seq_min": float(get("r_min")),
+        "rollout_is_seq_max_deviation": float(get("dev_max")),
+        "rollout_is_seq_fraction_high": int(get("rows_high")) / rows,
+        "rollout_is_seq_fraction_low": int(get("rows_low")) / rows,
+    }
+    if icepop:
+        out["rollout_is_oob_ratio"] = int(get("n_oob")) / n
+    return out
 
 
 def verl_rollout_is(
@@ -113,52 +257,17 @@ def verl_rollout_is(
         raise ValueError(f"Invalid rollout_is: {level}. Must be one of {{'token', 'sequence'}}.")
     c = check_real(threshold, "threshold", minimum=0.0, strict=True)
     lo_given = None if threshold_lower is None else check_real(threshold_lower, "threshold_lower", minimum=0.0)
-    lo = 1.0 / c if lo_given is None else lo_given
     m, cd = prepare(old_log_prob, response_mask, rollout_log_prob=rollout_log_prob)
     if not bool(m.any()):
         raise ValueError("response_mask must contain at least one valid token (1).")
-    log_ratio = where(m, old_log_prob.detach().to(cd) - rollout_log_prob.detach().to(cd))
-    if level == "token":
-        log_for_metrics = log_ratio
-        raw = torch.exp(log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND))
-    else:
-        log_for_metrics = log_ratio.to(F64).sum(-1, keepdim=True).to(cd)
-        raw = torch.exp(log_for_metrics.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)).expand_as(log_ratio)
-    raw = where(m, raw)
-    weights = verl_is_weights(raw, c, lo_given)
-    stat_w = weights if truncate else raw
-    out: dict[str, float] = {"rollout_is_mean": masked_mean(stat_w, m)}
-    if level == "sequence":
-        log_c, log_lo = math.log(c), (math.log(lo) if lo > 0 else -math.inf)
-        row_log = log_for_metrics.to(F64).reshape(-1)
-        out["rollout_is_max"] = math.exp(min(float(row_log.max()), VERL_SAFETY_BOUND))
-        out["rollout_is_min"] = math.exp(float(row_log.min()))
-        out["rollout_is_ratio_fraction_high"] = float((row_log > log_c).to(F64).mean())
-        out["rollout_is_ratio_fraction_low"] = float((row_log < log_lo).to(F64).mean())
-    else:
-        out["rollout_is_ratio_fraction_high"] = masked_mean(raw > c, m)
-        out["rollout_is_ratio_fraction_low"] = masked_mean(raw < lo, m)
-        out["rollout_is_max"] = masked_max(stat_w, m)
-        out["rollout_is_min"] = masked_min(stat_w, m)
-    v = verl_is_spread_values(raw, weights, c, lo, truncate)
-    mean_v = masked_mean(v, m)
-    if int(m.sum()) > 1:
-        out["rollout_is_std"] = math.sqrt(max(masked_mean(v.to(F64) ** 2, m) - mean_v**2, 0.0))
-    else:
-        out["rollout_is_std"] = 0.0
-    out["rollout_is_eff_sample_size"] = 1.0 / masked_mean((v.to(F64) / (mean_v + 1e-8)) ** 2, m)
-    seq = row_means(stat_w, m)
-    out["rollout_is_seq_mean"] = float(seq.mean())
-    out["rollout_is_seq_std"] = float(seq.std()) if seq.numel() > 1 else 0.0
-    out["rollout_is_seq_max"] = float(seq.max())
-    out["rollout_is_seq_min"] = float(seq.min())
-    out["rollout_is_seq_max_deviation"] = float((seq - 1.0).abs().max())
-    raw_seq = row_means(raw, m)
-    out["rollout_is_seq_fraction_high"] = float((raw_seq > c).to(F64).mean())
-    out["rollout_is_seq_fraction_low"] = float((raw_seq < lo).to(F64).mean())
-    if lo_given is not None:
-        out["rollout_is_oob_ratio"] = masked_mean((raw < lo_given) | (raw > c), m)
-    return weights.detach(), out
+    cu, (train, roll) = pack(m, old_log_prob.detach().to(cd), rollout_log_prob.detach().to(cd))
+    weights, sums = verl_is_sums(verl_log_ratio_terms(train, roll, cu), cu, level=level, threshold=c,
+                                 threshold_lower=lo_given, truncate=truncate)
+    counts = verl_counts(train.numel(), cu)
+    state = fold_one_batch({**verl_count_specs(), **verl_is_specs()}, train.device, counts, sums)
+    padded = torch.zeros_like(m, dtype=cd)
+    padded[m] = weights
+    return padded, verl_is_figures(state, level=level, icepop=lo_given is not None)
 
 
 def verl_is_threshold(spec: str | float) -> tuple[float, float | None]:
@@ -187,196 +296,70 @@ def verl_is_threshold(spec: str | float) -> tuple[float, float | None]:
     return upper, lower
 
 
-def verl_rs_options(rollout_rs: str) -> list[str]:
-    """verl's ``rollout_rs``: the comma-separated options in order, duplicates dropped.
-
-    Raises:
-        ValueError: an unknown option or none (``compute_rollout_rejection_mask``).
-
-    Example:
-        >>> verl_rs_options("token_k1, seq_mean_k3,token_k1")
-        ['token_k1', 'seq_mean_k3']
-    """
-    options: list[str] = []
-    for opt in (o.strip() for o in str(rollout_rs).split(",")):
-        if not opt:
-            continue
-        if opt not in VERL_RS_OPTIONS:
-            raise ValueError(f"Invalid rollout_rs option: {opt}. Must be one of {sorted(VERL_RS_OPTIONS)}.")
-        if opt not in options:
-            options.append(opt)
-    if not options:
-        raise ValueError("rollout_rs must contain at least one valid option.")
-    return options
+_OFFPOLICY_SUMS = ("ppl_t", "lppl_t", "kl", "k3", "ppl_r", "lppl_r", "diff", "adiff", "pplratio", "rho2", "chi2seq")
 
 
-def verl_rs_thresholds(options: list[str], spec: str | float) -> dict[str, tuple[float | None, float]]:
-    """``{option: (lower, upper)}`` from verl's ``rollout_rs_threshold`` (one entry, or one per option; a k1
-    option takes ``"lower_upper"`` or ``u`` meaning ``1/u_u``, the others one upper bound).
+def verl_offpolicy_specs() -> dict[str, StateSpec]:
+    """The state :func:`verl_offpolicy_sums` folds into (besides :func:`verl_count_specs`)."""
+    return {**{k: total() for k in _OFFPOLICY_SUMS}, "diff_max": maximum(), "diff_min": minimum()}
 
-    Raises:
-        ValueError: a count that matches neither, a bound that is not positive, ``lower > upper``.
 
-    Example:
-        >>> verl_rs_thresholds(["token_k1", "seq_mean_k3"], "0.5_2,0.1")
-        {'token_k1': (0.5, 2.0), 'seq_mean_k3': (None, 0.1)}
-    """
-    if isinstance(spec, bool) or not isinstance(spec, (str, int, float)):
-        raise TypeError("rollout_rs_threshold must be a string or a number")
-    parts = [str(spec)] if not isinstance(spec, str) else [p.strip() for p in spec.split(",") if p.strip()]
-    if len(parts) not in (1, len(options)):
-        raise ValueError(f"rollout_rs_threshold needs one threshold or {len(options)}, got {len(parts)}")
-    parts = parts * len(options) if len(parts) == 1 else parts
-    out: dict[str, tuple[float | None, float]] = {}
-    for option, part in zip(options, parts):
-        if option.endswith("k1"):
-            lo_s, hi_s = part.split("_", 1) if "_" in part else (None, part)
-            hi = float(hi_s)
-            lo = 1.0 / hi if lo_s is None else float(lo_s)
-            if lo <= 0 or hi <= 0 or lo > hi:
-                raise ValueError(f"Thresholds for option '{option}' must be 0 < lower <= upper, got {part}")
-            out[option] = (lo, hi)
-        else:
-            if "_" in part:
-                raise ValueError(f"rollout_rs_threshold for option '{option}' takes a single upper bound, got {part}")
-            hi = float(part)
-            if hi <= 0:
-                raise ValueError(f"Threshold for option '{option}' must be positive, got {part}")
-            out[option] = (None, hi)
+def verl_offpolicy_sums(
+    train: Tensor, rollout: Tensor | None, cu_seqlens: Tensor, log_terms: dict[str, Tensor] | None = None
+) -> dict[str, Tensor]:
+    """What verl's ``compute_offpolicy_metrics`` (:func:`verl_offpolicy_figures`) needs of a batch of packed
+    valid tokens: with ``μ`` the per-sequence means of the log-probs (float64; 0 for an empty sequence), the
+    sums over sequences of ``exp(−μ_train)``, ``−μ_train``, ``exp(−μ_rollout)``, ``−μ_rollout``, the difference
+    ``μ_rollout − μ_train`` (with its extremes), its absolute value and ``exp``, and ``exp(2·clamp(Σℓ, ±20))``;
+    the sums over tokens of ``−ℓ``, ``e^ℓ − ℓ − 1`` and ``exp(clamp(ℓ, ±20))²`` (``ℓ = train − rollout``, in the
+    tokens' dtype). ``rollout`` None: only the training perplexities. ``log_terms``: :func:`verl_log_ratio_terms`
+    when the caller has them already."""
+    mu_train = sequence_means(train, cu_seqlens)
+    sums = {"ppl_t": torch.exp(-mu_train).sum(), "lppl_t": (-mu_train).sum()}
+    if rollout is None:
+        return sums
+    lt = verl_log_ratio_terms(train, rollout, cu_seqlens) if log_terms is None else log_terms
+    log_ratio, ratio = lt["log_ratio"], lt["ratio"]
+    mu_rollout = sequence_means(rollout, cu_seqlens)
+    diff = mu_rollout - mu_train
+    rho = _f64(ratio)
+    sums.update({
+        "kl": _f64(-log_ratio).sum(), "k3": _f64(k3_of_log_weight(log_ratio)).sum(),
+        "ppl_r": torch.exp(-mu_rollout).sum(), "lppl_r": (-mu_rollout).sum(), "diff": diff.sum(),
+        "adiff": diff.abs().sum(), "pplratio": torch.exp(diff).sum(), "rho2": (rho * rho).sum(),
+        "chi2seq": torch.exp(2.0 * lt["log_sum"].clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)).sum(),
+    })
+    if diff.numel():
+        sums.update(diff_max=diff.max(), diff_min=diff.min())
+    return sums
+
+
+def verl_offpolicy_figures(state: MetricState, *, rollout: bool = True, prefix: str = "") -> dict[str, float]:
+    """verl's off-policy metrics (:func:`verl_offpolicy_metrics`) from the sums :func:`verl_offpolicy_sums`
+    folded into ``state`` (entries named ``prefix + key``); ``{}`` without a valid token (verl raises)."""
+    def get(key: str) -> float:
+        return float(state[prefix + key])
+
+    n, rows = int(get("n")), int(get("rows"))
+    if n == 0 or rows == 0:
+        return {}
+    out = {"training_ppl": get("ppl_t") / rows, "training_log_ppl": get("lppl_t") / rows}
+    if not rollout:
+        return out
+    out.update({
+        "kl": get("kl") / n,
+        "k3_kl": get("k3") / n,
+        "rollout_ppl": get("ppl_r") / rows,
+        "rollout_log_ppl": get("lppl_r") / rows,
+        "log_ppl_diff": get("diff") / rows,
+        "log_ppl_abs_diff": get("adiff") / rows,
+        "log_ppl_diff_max": get("diff_max"),
+        "log_ppl_diff_min": get("diff_min"),
+        "ppl_ratio": get("pplratio") / rows,
+        "chi2_token": get("rho2") / n - 1.0,
+        "chi2_seq": get("chi2seq") / rows - 1.0,
+    })
     return out
-
-
-def verl_rs_statistics(log_ratio: Tensor) -> dict[str, Tensor]:
-    """verl's per-token rejection statistics (``compute_rollout_rejection_mask``) of ``ℓ = clamp(train − rollout,
-    ±20)``: ``k1 = −ℓ``, ``k2 = ℓ²/2``, ``k3 = e^ℓ − 1 − ℓ``. The one place they are written: the batch function
-    :func:`verl_rollout_rs` and the streaming ``--names verl`` group both call it.
-
-    Example:
-        >>> {k: round(v.item(), 4) for k, v in verl_rs_statistics(torch.tensor([1.0])).items()}
-        {'k1': -1.0, 'k2': 0.5, 'k3': 0.7183}
-    """
-    return {"k1": -log_ratio, "k2": 0.5 * log_ratio * log_ratio, "k3": k3_of_log_weight(log_ratio)}
-
-
-def verl_rs_bounds(option: str, lower: float | None, upper: float) -> tuple[float, float]:
-    """The interval an option's statistic must lie in to keep a token: ``[log lower, log upper]`` for the k1
-    options (their statistic is a log-ratio; ``lower`` absent: 0), ``[0, upper]`` for k2/k3 (only the upper bound
-    is tested, :func:`verl_rs_keep`).
-
-    Example:
-        >>> verl_rs_bounds("token_k1", None, math.e), verl_rs_bounds("seq_mean_k3", None, 0.5)
-        ((0.0, 1.0), (0.0, 0.5))
-    """
-    k1 = option.endswith("k1")
-    return (math.log(lower) if k1 and lower is not None else 0.0), (math.log(upper) if k1 else upper)
-
-
-def verl_rs_keep(stat: Tensor, option: str, low: float, high: float) -> Tensor:
-    """Where ``option`` keeps a token: ``low ≤ stat ≤ high`` for k1, ``stat ≤ high`` for k2/k3 (verl)."""
-    return (stat >= low) & (stat <= high) if option.endswith("k1") else stat <= high
-
-
-def verl_rollout_rs(
-    old_log_prob: Tensor,
-    rollout_log_prob: Tensor,
-    response_mask: Tensor,
-    rollout_rs: str,
-    rollout_rs_threshold: str | float,
-) -> tuple[Tensor, dict[str, float]]:
-    """verl's rejection sampling (``compute_rollout_rejection_mask``) and its ``rollout_corr/rollout_rs_*`` metrics.
-
-    ``ℓ = clamp(ℓ_old − ℓ_rollout, ±20)``; per token ``k1 = −ℓ`` (so k1 bounds apply to π_rollout/π_old),
-    ``k2 = ℓ²/2``, ``k3 = e^ℓ − 1 − ℓ``. Options (comma-separated, all must pass): ``token_k*`` per token,
-    ``seq_sum_k*``/``seq_mean_k*`` the masked sum/mean per sequence, ``seq_max_k{2,3}`` the masked max (0 for an
-    empty row). k1 options keep ``log(lower) ≤ stat ≤ log(upper)`` (threshold ``"lower_upper"``, a single
-    ``u`` meaning ``1/u_u``); the others keep ``stat ≤ upper``. Per option ``<o>`` (prefix ``rollout_rs_<o>``):
-
-    - ``_mean``: masked token mean of the statistic (a sequence option's value repeated on its tokens, so
-      sequences weigh by length); ``_max``/``_min``: over valid tokens (token options) or non-empty rows;
-    - ``_fraction_high``/``_fraction_low`` (low only for k1, else 0): token-level masked means, or row means
-      for sequence options, against the thresholds (k1 in log space);
-    - ``_std``: sqrt of the masked variance of the statistic clamped to ``[lower, upper]`` (``[0, upper]``
-      without a lower bound; 0 for at most one valid token);
-    - ``_seq_{mean,std,max,min,max_deviation,fraction_high}`` (and ``_seq_fraction_low`` for k1) over the
-      non-empty rows' values (token options: per-row masked means), std unbiased;
-    - ``_masked_fraction``: masked mean of rejected tokens; ``_seq_masked_fraction``: the share of non-empty
-      rows with a rejected valid token.
-
-    Totals: ``rollout_rs_masked_fraction`` (masked token mean) and ``rollout_rs_seq_masked_fraction`` (share of
-    *all* rows, empty ones included, with a rejected valid token).
-
-    Returns:
-        ``(mask, metrics)``: the response mask after rejection (bool) and the metrics.
-
-    Raises:
-        ValueError: an unknown option, bad thresholds, an all-masked batch (verl raises too), bad shapes.
-
-    Example:
-        >>> old = torch.log(torch.tensor([[1.0, 4.0, 1.0]])); roll = torch.zeros(1, 3)
-        >>> m, f = verl_rollout_rs(old, roll, torch.ones(1, 3), "token_k1", "0.5_2.0")
-        >>> m.tolist(), round(f["rollout_rs_token_k1_masked_fraction"], 4)  # π_roll/π_old = 1/4 < 0.5
-        ([[True, False, True]], 0.3333)
-    """
-    options = verl_rs_options(rollout_rs)
-    bounds = verl_rs_thresholds(options, rollout_rs_threshold)
-    m, cd = prepare(old_log_prob, response_mask, rollout_log_prob=rollout_log_prob)
-    if not bool(m.any()):
-        raise ValueError("response_mask must contain at least one valid token (1).")
-    log_ratio = where(m, old_log_prob.detach().to(cd) - rollout_log_prob.detach().to(cd))
-    log_ratio = log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
-    per_token = verl_rs_statistics(log_ratio)
-    has = m.any(-1)
-    keep_all = torch.ones_like(m)
-    out: dict[str, float] = {}
-    for option in options:
-        lo_t, hi_t = verl_rs_bounds(option, *bounds[option])
-        k1 = option.endswith("k1")
-        values = per_token[option[-2:]]
-        if option.startswith("token"):
-            stat = values
-            seq_values = row_means(stat, m)
-        else:
-            if option.startswith("seq_sum"):
-                seq_values = row_sums(values, m)
-            elif option.startswith("seq_mean"):
-                seq_values = row_means(values, m)
-            else:
-                seq_values = where(m, values.to(F64), -math.inf).max(-1).values
-                seq_values = torch.where(torch.isinf(seq_values), torch.zeros_like(seq_values), seq_values)
-            stat = seq_values.to(cd)[:, None].expand_as(values)
-        keep = verl_rs_keep(stat, option, lo_t, hi_t)
-        keep_all = keep_all & keep
-        p = f"rollout_rs_{option}"
-        valid_seq = seq_values[has]
-        sequence_level = not option.startswith("token")
-        out[f"{p}_mean"] = masked_mean(stat, m)
-        if sequence_level:
-            out[f"{p}_max"], out[f"{p}_min"] = float(valid_seq.max()), float(valid_seq.min())
-            out[f"{p}_fraction_high"] = float((valid_seq > hi_t).to(F64).mean())
-            out[f"{p}_fraction_low"] = float((valid_seq < lo_t).to(F64).mean()) if k1 else 0.0
-        else:
-            out[f"{p}_max"], out[f"{p}_min"] = masked_max(stat, m), masked_min(stat, m)
-            out[f"{p}_fraction_high"] = masked_mean(stat > hi_t, m)
-            out[f"{p}_fraction_low"] = masked_mean(stat < lo_t, m) if k1 else 0.0
-        if int(m.sum()) > 1:
-            clamped = stat.to(F64).clamp(min=lo_t, max=hi_t)
-            mean_c = masked_mean(clamped, m)
-            out[f"{p}_std"] = math.sqrt(max(masked_mean(clamped * clamped, m) - mean_c**2, 0.0))
-        else:
-            out[f"{p}_std"] = 0.0
-        out[f"{p}_seq_mean"] = float(valid_seq.mean())
-        out[f"{p}_seq_std"] = float(valid_seq.std()) if valid_seq.numel() > 1 else 0.0
-        out[f"{p}_seq_max"] = float(valid_seq.max())
-        out[f"{p}_seq_min"] = float(valid_seq.min())
-        out[f"{p}_seq_max_deviation"] = float(valid_seq.abs().max())
-        out[f"{p}_seq_fraction_high"] = float((valid_seq > hi_t).to(F64).mean())
-        if k1:
-            out[f"{p}_seq_fraction_low"] = float((valid_seq < lo_t).to(F64).mean())
-        out[f"{p}_masked_fraction"] = masked_mean(~keep, m)
-        out[f"{p}_seq_masked_fraction"] = float((~keep & m).any(-1)[has].to(F64).mean())
-    out["rollout_rs_masked_fraction"] = masked_mean(~keep_all, m)
-    out["rollout_rs_seq_masked_fraction"] = float((~keep_all & m).any(-1).to(F64).mean())
-    return m & keep_all, out
 
 
 def verl_offpolicy_metrics(
@@ -405,29 +388,8 @@ def verl_offpolicy_metrics(
     m, cd = prepare(old_log_prob, response_mask, rollout_log_prob=rollout_log_prob)
     if not bool(m.any()):
         raise ValueError("Expected at least one valid token in response_mask")
-    old = where(m, old_log_prob.detach().to(cd))
-    mu_old = row_means(old, m)
-    out = {
-        "training_ppl": float(torch.exp(-mu_old).mean()),
-        "training_log_ppl": float((-mu_old).mean()),
-    }
-    if rollout_log_prob is None:
-        return out
-    roll = where(m, rollout_log_prob.detach().to(cd))
-    log_ratio = old - roll
-    out["kl"] = masked_mean(-log_ratio, m)
-    out["k3_kl"] = masked_mean(k3_of_log_weight(log_ratio), m)
-    mu_roll = row_means(roll, m)
-    out["rollout_ppl"] = float(torch.exp(-mu_roll).mean())
-    out["rollout_log_ppl"] = float((-mu_roll).mean())
-    diff = mu_roll - mu_old
-    out["log_ppl_diff"] = float(diff.mean())
-    out["log_ppl_abs_diff"] = float(diff.abs().mean())
-    out["log_ppl_diff_max"] = float(diff.max())
-    out["log_ppl_diff_min"] = float(diff.min())
-    out["ppl_ratio"] = float(torch.exp(diff).mean())
-    rho = torch.exp(log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)).to(F64)
-    out["chi2_token"] = masked_mean(rho * rho, m) - 1.0
-    seq_log = row_sums(log_ratio, m).clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
-    out["chi2_seq"] = float(torch.exp(2.0 * seq_log).mean()) - 1.0
-    return out
+    cu, (train,) = pack(m, old_log_prob.detach().to(cd))
+    roll = None if rollout_log_prob is None else pack(m, rollout_log_prob.detach().to(cd))[1][0]
+    counts, sums = verl_counts(train.numel(), cu), verl_offpolicy_sums(train, roll, cu)
+    state = fold_one_batch({**verl_count_specs(), **verl_offpolicy_specs()}, train.device, counts, sums)
+    return verl_offpolicy_figures(state, rollout=roll is not None)

@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from grpo_cli.core.adv_check import adv_diff_compute, adv_diff_state, adv_diff_update
+from grpo_cli.core.adv_check import adv_diff_compute, adv_diff_state, adv_diff_update, adv_mismatch
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.keyed_state import KeyedState, keyed_combine
 from grpo_cli.core.packing import segment_ids, segment_sum
@@ -256,9 +256,7 @@ class AdvCheckGroup(MetricGroup):
         seq = segment_ids(batch.cu_seqlens, batch.n_tokens)
         table = self.variant_advantages.to(dumped.device)
         expected = torch.where(batch.loss_mask, table[:, idx][:, seq], 0.0)  # [V, N], as ``Recompute.expected``
-        diff = (expected - dumped.to(_F64)).abs()
-        finite = torch.isfinite(diff)
-        bad = compare & (~finite | (diff > config.atol + config.rtol * expected.abs()))
+        diff, finite, bad = adv_mismatch(expected, dumped, compare, config.atol, config.rtol)
         n_variants = table.shape[0]
         bad_seq = torch.zeros((n_variants, batch.n_sequences), dtype=torch.int64, device=bad.device)
         bad_seq.index_add_(1, seq, bad.to(torch.int64))

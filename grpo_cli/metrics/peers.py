@@ -10,7 +10,8 @@ Every state is a set of float64 sums, int64 counts and running min/max (TRL's pe
 table of them, one row per (step, micro_batch)), so the figures do not depend on how the dump is cut into
 batches. A peer logs per training step; these are over the whole dump (``--group-by step`` gives per-step
 figures). The definitions are those of :mod:`grpo_cli.core.peer_figures` (the peers' functions, tested
-against their released code in ``tests/peers``) computed on one batch holding the whole dump (or one step):
+against their released code in ``tests/peers``) computed on one batch holding the whole dump (or one step); the
+groups call the same packed per-token and per-sequence core functions as those batch functions:
 
 - verl ``verl/trainer/ppo/rollout_corr_helper.py`` (``compute_rollout_correction_weights``,
   ``compute_is_metrics``, ``compute_offpolicy_metrics``), ``verl/utils/debug/metrics.py``

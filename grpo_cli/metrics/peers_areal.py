@@ -9,7 +9,7 @@ from torch import Tensor
 
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.packing import broadcast_to_tokens
-from grpo_cli.core.peer_areal import areal_kl_div_terms
+from grpo_cli.core.peer_areal import areal_kl_div_terms, areal_staleness
 from grpo_cli.core.ppo import ppo_actor_loss_terms
 from grpo_cli.core.state import MetricState, StateSpec, count
 from grpo_cli.engine.figures import Figure, Requirement, column
@@ -165,8 +165,7 @@ class ArealPeerGroup(MetricGroup):
             current = torch.full((valid.n_sequences,), config.current_version, dtype=torch.int64, device=valid.device)
         if valid.versions is not None and current is not None:
             current_tokens = broadcast_to_tokens(current.to(valid.device), valid.cu_seqlens, valid.n_tokens)
-            generated = keep & (valid.versions >= 0)
-            fold_stat(state, "version_theta", (current_tokens - valid.versions)[generated])
+            fold_stat(state, "version_theta", areal_staleness(valid.versions, current_tokens, keep))
 
     def compute(self, state: MetricState, config: AnalyzeConfig) -> dict[str, Any]:
         if config.peer() != "areal":

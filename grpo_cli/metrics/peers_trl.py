@@ -10,9 +10,8 @@ from torch import Tensor
 
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.keyed_state import KeyedState
-from grpo_cli.core.kl import k3_of_log_weight
-from grpo_cli.core.packing import broadcast_to_tokens, lengths_from_cu_seqlens, segment_sum
-from grpo_cli.core.peer_trl import trl_bound_is_ratio, trl_clip_indicators
+from grpo_cli.core.packing import lengths_from_cu_seqlens, segment_sum
+from grpo_cli.core.peer_trl import trl_clip_terms, trl_importance_ratio, trl_kl_terms, trl_sampling_terms
 from grpo_cli.core.state import MetricState, Reduce, StateSpec, count, maximum, minimum, total
 from grpo_cli.engine.figures import Figure, column
 from grpo_cli.engine.group import MetricGroup
@@ -36,16 +35,6 @@ _TRL_CLIP = {
     "low_min": "smallest per-sequence low-clip fraction (sequences without a valid token skipped)",
     "high_max": "largest per-sequence high-clip fraction",
 }
-
-
-def _trl_is_ratio(delta: Tensor, cu: Tensor, config: AnalyzeConfig) -> Tensor:
-    """TRL's vLLM importance-sampling ratio of one batch (``_generate_and_score_completions``): per sequence
-    exp(Σ Δ) (every sequence, an empty one exp(0) = 1) for the ``sequence_*`` modes, per valid token exp(Δ) for the
-    ``token_*`` modes; ``*_truncate`` clamps to [C_min, C_max], ``*_mask`` sets ratios outside to 0.
-    ``delta`` = prox − old per valid token (NaN already 0)."""
-    mode = config.vllm_is_mode
-    ratio = torch.exp(segment_sum(delta, cu, F64) if mode.startswith("sequence") else delta)
-    return trl_bound_is_ratio(ratio, mode, config.vllm_is_clip_min, config.vllm_is_clip_max)
 
 
 def _trl_figures() -> tuple[Figure, ...]:
@@ -76,15 +65,6 @@ def _trl_figures() -> tuple[Figure, ...]:
                           section="trl", needs=(DECOUPLED,), enabled=enabled,
                           peers={"trl": f"sampling/importance_sampling_ratio/{stat}"}))
     return tuple(out)
-
-
-def _row_first(values: Tensor, cu: Tensor) -> Tensor:
-    """Each sequence's first value (0 for an empty sequence)."""
-    lengths = lengths_from_cu_seqlens(cu).to(values.device)
-    if values.numel() == 0:
-        return torch.zeros(lengths.numel(), dtype=values.dtype, device=values.device)
-    first = values.index_select(0, cu[:-1].to(values.device).clamp(max=values.numel() - 1))
-    return torch.where(lengths > 0, first, torch.zeros_like(first))
 
 
 _TRL_MB = ("n", "low", "high", "cispo", "kl", "n_kl", "low_min", "high_max", "ent", "n_ent")
@@ -179,23 +159,17 @@ class TrlPeerGroup(MetricGroup):
             return
         base, cu = valid.ratio_base_logp, valid.cu_seqlens
         lengths = lengths_from_cu_seqlens(cu).to(valid.device)
-        coef_tokens = torch.ones(valid.n_tokens, dtype=F64, device=valid.device)  # TRL: no old log-probs, r = 1
+        coef_tokens: Tensor | None = None  # TRL: no old log-probs, r = 1
         rows: dict[str, Tensor] | None = None  # per-sequence clip sums for the micro-batch table
         kl_rows: tuple[Tensor, Tensor] | None = None  # per-sequence Σ k3·r and token counts
         if base is not None:
-            log_ratio = f64(valid.new_logp) - f64(base)
-            if config.importance_level == "sequence":
-                row = segment_sum(log_ratio, cu, F64) / lengths.to(F64).clamp(min=1.0)
-                coef_tokens = torch.exp(broadcast_to_tokens(row, cu, log_ratio.numel()))
-            else:
-                coef_tokens = torch.exp(log_ratio)
+            coef_tokens = trl_importance_ratio(f64(valid.new_logp) - f64(base), cu, config.importance_level)
             if valid.advantages is not None:
-                rows = self._clip(state, coef_tokens, f64(valid.advantages), cu, lengths, config)
+                rows = self._clip(state, coef_tokens, f64(valid.advantages), cu, config)
         if valid.ref_logp is not None:
-            y = f64(valid.ref_logp) - f64(valid.new_logp)
-            k3 = k3_of_log_weight(y)
-            state.update(kl=(k3 * coef_tokens).sum(), n_kl=torch.tensor(y.numel()))
-            kl_rows = (segment_sum(k3 * coef_tokens, cu, F64), lengths.to(F64))
+            kl = trl_kl_terms(f64(valid.new_logp), f64(valid.ref_logp), coef_tokens)
+            state.update(kl=kl.sum(), n_kl=torch.tensor(kl.numel()))
+            kl_rows = (segment_sum(kl, cu, F64), lengths.to(F64))
         ent_rows: tuple[Tensor, Tensor] | None = None  # per-sequence Σ entropy and token counts
         if valid.entropy is not None:
             e = f64(valid.entropy)
@@ -208,49 +182,38 @@ class TrlPeerGroup(MetricGroup):
             r = r[~torch.isnan(r)]
             state.update(r_n=torch.tensor(r.numel()), r_sum=r.sum(), r_sq=(r * r).sum())
         if valid.prox_logp is not None and valid.old_logp is not None:
-            delta = f64(valid.prox_logp) - f64(valid.old_logp)
-            finite = ~torch.isnan(delta)
-            d = delta.abs()[finite]
+            sampling = trl_sampling_terms(f64(valid.prox_logp), f64(valid.old_logp), cu, mode=config.vllm_is_mode,
+                                          clip_min=config.vllm_is_clip_min, clip_max=config.vllm_is_clip_max)
+            d, ratio = sampling["logp_difference"], sampling["ratio"]
             state.update(d_sum=d.sum(), n_d=torch.tensor(d.numel()))
             if d.numel():
                 state.update(d_max=d.max())
-            ratio = _trl_is_ratio(torch.nan_to_num(delta, nan=0.0), cu, config)
             state.update(is_sum=ratio.sum(), n_is=torch.tensor(ratio.numel()))
             if ratio.numel():
                 state.update(is_min=ratio.min(), is_max=ratio.max())
 
     @staticmethod
-    def _clip(state: MetricState, coef: Tensor, adv: Tensor, cu: Tensor, lengths: Tensor,
-              config: AnalyzeConfig) -> dict[str, Tensor]:
+    def _clip(state: MetricState, coef: Tensor, adv: Tensor, cu: Tensor, config: AnalyzeConfig) -> dict[str, Tensor]:
         """Fold the pooled clip counts; return the per-sequence sums the micro-batch table needs (``n``, ``low``,
         ``high``, ``cispo`` and the per-sequence clip fractions ``low_min``/``high_max``, ±inf where TRL's
         ``masked_seq_mean`` is NaN)."""
         eps_lo = config.epsilon
         eps_hi = config.epsilon if config.epsilon_high is None else config.epsilon_high
-        if config.importance_level == "sequence" and not config.advantages_per_token:
-            # TRL's (B, 1) sequence ratio against its (B,) advantages: one indicator per sequence, the means over
-            # sequences; an empty sequence has ratio exp(0) = 1 and is never clipped, but counts. With per-token
-            # advantages TRL broadcasts the sequence ratio against them: the token branch below, coef being the
-            # sequence ratio repeated over its tokens (trl_clip_ratio_metrics).
-            coef = torch.where(lengths > 0, _row_first(coef, cu), torch.ones_like(lengths, dtype=F64))
-            adv = _row_first(adv, cu)
-            low, high = trl_clip_indicators(coef, adv, eps_lo, eps_hi)
-            cispo = (coef > 1 + eps_hi) & (adv > 0)
-            state.update(n=torch.tensor(coef.numel()), low=low.sum(), high=high.sum(), cispo=cispo.sum())
-            if coef.numel():
-                state.update(low_min=low.to(F64).min(), high_max=high.to(F64).max())
-            return {"n": torch.ones_like(coef), "low": low.to(F64), "high": high.to(F64),
-                    "cispo": cispo.to(F64), "low_min": low.to(F64), "high_max": high.to(F64)}
-        low, high = trl_clip_indicators(coef, adv, eps_lo, eps_hi)
-        state.update(n=torch.tensor(coef.numel()), low=low.sum(), high=high.sum(), cispo=high.sum())
-        has = lengths > 0
-        denom = lengths.to(F64).clamp(min=1.0)
-        low_seq, high_seq = segment_sum(low.to(F64), cu, F64), segment_sum(high.to(F64), cu, F64)
-        if bool(has.any()):
-            state.update(low_min=(low_seq / denom)[has].min(), high_max=(high_seq / denom)[has].max())
+        # TRL's (B, 1) sequence ratio against its (B,) advantages: one indicator per sequence, the means over
+        # sequences. With per-token advantages TRL broadcasts the sequence ratio against them: token indicators,
+        # coef being the sequence ratio repeated over its tokens (trl_clip_ratio_metrics).
+        per_sequence = config.importance_level == "sequence" and not config.advantages_per_token
+        t = trl_clip_terms(coef, adv, cu, epsilon_low=eps_lo, epsilon_high=eps_hi, per_sequence=per_sequence)
+        low, high = t["low"], t["high"]
+        # TRL's CISPO cap is 1 + epsilon_high here, so its indicator is the high clip's
+        state.update(n=torch.tensor(low.numel()), low=low.sum(), high=high.sum(), cispo=high.sum())
+        low_seq, high_seq = t["low_fraction"], t["high_fraction"]
+        seen = ~torch.isnan(low_seq)
+        if bool(seen.any()):
+            state.update(low_min=low_seq[seen].min(), high_max=high_seq[seen].max())
         inf = torch.full_like(low_seq, math.inf)
-        return {"n": lengths.to(F64), "low": low_seq, "high": high_seq, "cispo": high_seq,
-                "low_min": torch.where(has, low_seq / denom, inf), "high_max": torch.where(has, high_seq / denom, -inf)}
+        return {"n": t["units"], "low": t["low_count"], "high": t["high_count"], "cispo": t["high_count"],
+                "low_min": torch.where(seen, low_seq, inf), "high_max": torch.where(seen, high_seq, -inf)}
 
     def compute(self, state: MetricState, config: AnalyzeConfig) -> dict[str, Any]:
         if config.peer() != "trl":

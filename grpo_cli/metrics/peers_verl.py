@@ -11,22 +11,26 @@ from torch import Tensor
 
 from grpo_cli._choices import VERL_RS_OPTIONS
 from grpo_cli.core.batch import TokenBatch
-from grpo_cli.core.kl import k3_of_log_weight
-from grpo_cli.core.packing import broadcast_to_tokens, lengths_from_cu_seqlens, segment_max, segment_sum
-from grpo_cli.core.peer_figures import VERL_SAFETY_BOUND, verl_rs_options, verl_rs_thresholds
+from grpo_cli.core.offpolicy import pearson_from_sums, pearson_sums
+from grpo_cli.core.packing import lengths_from_cu_seqlens
+from grpo_cli.core.peer_figures import verl_rs_options, verl_rs_thresholds
 from grpo_cli.core.peer_verl_rollout import (
-    verl_is_spread_values,
-    verl_is_weights,
-    verl_rs_bounds,
-    verl_rs_keep,
-    verl_rs_statistics,
+    verl_count_specs,
+    verl_counts,
+    verl_is_figures,
+    verl_is_specs,
+    verl_is_sums,
+    verl_log_ratio_terms,
+    verl_offpolicy_figures,
+    verl_offpolicy_specs,
+    verl_offpolicy_sums,
 )
+from grpo_cli.core.peer_verl_rs import verl_rs_figures, verl_rs_specs, verl_rs_sums
 from grpo_cli.core.state import MetricState, StateSpec, count, maximum, minimum, total
 from grpo_cli.engine.figures import Figure, Requirement, column
 from grpo_cli.engine.group import MetricGroup
 from grpo_cli.metrics._peers_common import (
     DECOUPLED,
-    F64,
     f64,
     under,
 )
@@ -75,6 +79,7 @@ _VERL_SETS = {
     "bypass": ("verl/actor/rollout_corr/", "actor/rollout_corr/", OLD, "train = new_logp (verl's bypass mode)"),
 }
 _VERL_PEARSON = "verl/rollout_actor_probs_pearson_corr"
+_PEARSON_SUMS = ("px", "py", "pxx", "pyy", "pxy")
 _VERL_SCORE = "verl/critic/score/"
 
 
@@ -139,102 +144,6 @@ def _rs_figures(ours: str, theirs: str, need: Requirement, train: str) -> list[F
     return out
 
 
-def _rs_specs(p: str, bounds: dict[str, tuple[float | None, float]]) -> dict[str, StateSpec]:
-    specs: dict[str, StateSpec] = {f"{p}rows_ne": count(), f"{p}rs_masked": count(), f"{p}rs_seq_masked": count()}
-    for option in bounds:
-        q = f"{p}rs_{option}_"
-        specs.update({q + k: total() for k in ("sum", "c", "c2", "seq", "seq2")})
-        specs.update({q + k: count() for k in ("hi", "lo", "seq_hi", "seq_lo", "masked", "seq_masked")})
-        specs.update({q + k: maximum() for k in ("max", "seq_max", "seq_dev")})
-        specs.update({q + k: minimum() for k in ("min", "seq_min")})
-    return specs
-
-
-def _rs_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu: Tensor,
-               bounds: dict[str, tuple[float | None, float]]) -> None:
-    """Fold verl's rejection-sampling sums of one batch: ℓ = clamp(train − rollout, ±20), k1 = −ℓ, k2 = ℓ²/2,
-    k3 = e^ℓ − 1 − ℓ; token options per token, ``seq_sum``/``seq_mean``/``seq_max`` per sequence."""
-    log_ratio = (f64(train) - f64(rollout)).clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
-    per_token = verl_rs_statistics(log_ratio)
-    lengths = lengths_from_cu_seqlens(cu).to(log_ratio.device)
-    has = lengths > 0
-    denom = lengths.to(F64).clamp(min=1.0)
-    n_tok = log_ratio.numel()
-    zero = torch.zeros((), dtype=torch.int64, device=log_ratio.device)
-    keep_all = torch.ones(n_tok, dtype=torch.bool, device=log_ratio.device)
-    upd: dict[str, Tensor] = {"rows_ne": has.sum()}
-    for option, (lower, upper) in bounds.items():
-        k1 = option.endswith("k1")
-        lo_t, hi_t = verl_rs_bounds(option, lower, upper)
-        values = per_token[option[-2:]]
-        if option.startswith("token"):
-            seq_values = segment_sum(values, cu, F64) / denom
-            stat = values
-        else:
-            if option.startswith("seq_sum"):
-                seq_values = segment_sum(values, cu, F64)
-            elif option.startswith("seq_mean"):
-                seq_values = segment_sum(values, cu, F64) / denom
-            else:
-                seq_values = torch.where(has, segment_max(values, cu), 0.0)
-            stat = broadcast_to_tokens(seq_values, cu, n_tok)
-        keep = verl_rs_keep(stat, option, lo_t, hi_t)
-        keep_all &= keep
-        sv = seq_values[has]
-        extreme = stat if option.startswith("token") else sv
-        clamped = stat.clamp(min=lo_t, max=hi_t)
-        q = f"rs_{option}_"
-        upd.update({
-            q + "sum": stat.sum(), q + "c": clamped.sum(), q + "c2": (clamped * clamped).sum(),
-            q + "hi": (extreme > hi_t).sum(), q + "lo": (extreme < lo_t).sum() if k1 else zero,
-            q + "seq": sv.sum(), q + "seq2": (sv * sv).sum(), q + "seq_hi": (sv > hi_t).sum(),
-            q + "seq_lo": (sv < lo_t).sum() if k1 else zero, q + "masked": (~keep).sum(),
-            q + "seq_masked": ((segment_sum((~keep).to(F64), cu, F64) > 0) & has).sum(),
-        })
-        if extreme.numel():
-            upd.update({q + "max": extreme.max(), q + "min": extreme.min()})
-        if sv.numel():
-            upd.update({q + "seq_max": sv.max(), q + "seq_min": sv.min(), q + "seq_dev": sv.abs().max()})
-    upd["rs_masked"] = (~keep_all).sum()
-    upd["rs_seq_masked"] = (segment_sum((~keep_all).to(F64), cu, F64) > 0).sum()
-    state.update(**{p + k: v for k, v in upd.items()})
-
-
-def _rs_compute(state: MetricState, p: str, bounds: dict[str, tuple[float | None, float]]) -> dict[str, float]:
-    n, rows, ne = int(state[p + "n"]), int(state[p + "rows"]), int(state[p + "rows_ne"])
-    if n == 0 or ne == 0:  # verl raises on a batch without valid tokens
-        return {}
-    out: dict[str, float] = {}
-    for option in bounds:
-        q, key = f"{p}rs_{option}_", f"rollout_rs_{option}_"
-        frac_den = n if option.startswith("token") else ne
-        c_mean = float(state[q + "c"]) / n
-        s_mean = float(state[q + "seq"]) / ne
-        s_var = (float(state[q + "seq2"]) - ne * s_mean * s_mean) / (ne - 1) if ne > 1 else 0.0
-        out.update({
-            key + "mean": float(state[q + "sum"]) / n,
-            key + "max": float(state[q + "max"]),
-            key + "min": float(state[q + "min"]),
-            key + "fraction_high": int(state[q + "hi"]) / frac_den,
-            key + "fraction_low": int(state[q + "lo"]) / frac_den,
-            key + "std": math.sqrt(max(float(state[q + "c2"]) / n - c_mean * c_mean, 0.0)) if n > 1 else 0.0,
-            key + "seq_mean": s_mean,
-            key + "seq_std": math.sqrt(max(s_var, 0.0)),
-            key + "seq_max": float(state[q + "seq_max"]),
-            key + "seq_min": float(state[q + "seq_min"]),
-            key + "seq_max_deviation": float(state[q + "seq_dev"]),
-            key + "seq_fraction_high": int(state[q + "seq_hi"]) / ne,
-            key + "masked_fraction": int(state[q + "masked"]) / n,
-            key + "seq_masked_fraction": int(state[q + "seq_masked"]) / ne,
-        })
-        if option.endswith("k1"):
-            out[key + "seq_fraction_low"] = int(state[q + "seq_lo"]) / ne
-    out["rollout_rs_masked_fraction"] = int(state[p + "rs_masked"]) / n
-    out["rollout_rs_seq_masked_fraction"] = int(state[p + "rs_seq_masked"]) / rows
-    return out
-
-
-
 def _verl_figures() -> tuple[Figure, ...]:
     out: list[Figure] = []
     enabled = under("verl")
@@ -257,113 +166,25 @@ def _verl_figures() -> tuple[Figure, ...]:
     return tuple(out)
 
 
-def _verl_specs(p: str) -> dict[str, StateSpec]:
-    sums = ("w", "v", "v2", "r", "r2", "ppl_t", "lppl_t", "kl", "k3", "ppl_r", "lppl_r", "diff", "adiff", "pplratio",
-            "rho2", "chi2seq")
-    specs: dict[str, StateSpec] = {f"{p}{s}": total() for s in sums}
-    specs.update({f"{p}{c}": count() for c in ("n", "n_high", "n_low", "n_oob", "rows", "rows_high", "rows_low")})
-    specs.update({f"{p}{m}": maximum() for m in ("w_max", "r_max", "dev_max", "diff_max", "lr_max")})
-    specs.update({f"{p}{m}": minimum() for m in ("w_min", "r_min", "diff_min", "lr_min")})
-    return specs
+def _verl_specs(p: str, bounds: dict[str, tuple[float | None, float]]) -> dict[str, StateSpec]:
+    specs = {**verl_count_specs(), **verl_is_specs(), **verl_offpolicy_specs(), **verl_rs_specs(bounds)}
+    return {p + k: spec for k, spec in specs.items()}
 
 
-def _verl_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu: Tensor, c: float,
-                 truncate: bool = True, *, level: str = "token", lower: float | None = None) -> None:
-    """Fold verl's IS and off-policy sums of one batch (valid tokens, packed) into ``state`` (prefix ``p``).
-
-    ``level``: verl's ``rollout_is`` (``"sequence"``: every token of a sequence has the weight exp(clamp(Σ ℓ, ±20)),
-    the ``ratio_fraction_*``, ``max`` and ``min`` then come from the per-sequence log-sums over all sequences).
-    ``lower``: IcePop's lower bound (weights outside [lower, C] become 0); ``None`` truncates at C (TIS).
-    ``truncate``: verl 0.8 and later take the IS statistics of the processed weights; ``False`` is verl 0.7 and
-    earlier (mean, extrema and per-sequence figures of the raw w, std and ESS of clamp(w, lower or 1/C, C))."""
+def _verl_update(state: MetricState, p: str, train: Tensor, rollout: Tensor, cu: Tensor, config: AnalyzeConfig,
+                 bounds: dict[str, tuple[float | None, float]]) -> None:
+    """Fold verl's IS, off-policy and rejection-sampling sums of one batch (valid tokens, packed; float64) into
+    ``state`` (prefix ``p``). The weights follow ``--rollout-is`` and ``--rollout-is-threshold`` (TIS at C, or
+    IcePop's [lower, C]); ``--convention verl<=0.7`` takes the statistics of the raw weights."""
     t, r = f64(train), f64(rollout)
-    lengths = lengths_from_cu_seqlens(cu).to(t.device)
-    n_rows = lengths.numel()
-    denom = lengths.to(F64).clamp(min=1.0)
-    log_ratio = t - r
-    lo = 1.0 / c if lower is None else lower
-    row_log = segment_sum(log_ratio, cu, F64)  # Σ ℓ per sequence (0 for an empty one)
-    rho = torch.exp(log_ratio.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND))  # per-token ratio (chi2_token)
-    if level == "sequence":
-        raw = torch.exp(broadcast_to_tokens(row_log.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND), cu, t.numel()))
-        n_high, n_low = (row_log > math.log(c)).sum(), (row_log < math.log(lo)).sum()
-    else:
-        raw = rho
-        n_high, n_low = (raw > c).sum(), (raw < lo).sum()
-    weights = verl_is_weights(raw, c, lower)
-    w = weights if truncate else raw
-    v = verl_is_spread_values(raw, weights, c, lo, truncate)
-    row_w = segment_sum(w, cu, F64) / denom
-    row_raw = segment_sum(raw, cu, F64) / denom
-    mu_t = segment_sum(t, cu, F64) / denom
-    mu_r = segment_sum(r, cu, F64) / denom
-    diff = mu_r - mu_t
-    seq_log = row_log.clamp(-VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
-    upd: dict[str, Tensor] = {
-        "n": torch.tensor(t.numel()), "w": w.sum(), "v": v.sum(), "v2": (v * v).sum(),
-        "n_high": n_high, "n_low": n_low, "n_oob": ((raw < lo) | (raw > c)).sum(),
-        "rows": torch.tensor(n_rows), "r": row_w.sum(), "r2": (row_w * row_w).sum(),
-        "rows_high": (row_raw > c).sum(), "rows_low": (row_raw < lo).sum(),
-        "ppl_t": torch.exp(-mu_t).sum(), "lppl_t": (-mu_t).sum(), "kl": (-log_ratio).sum(),
-        "k3": k3_of_log_weight(log_ratio).sum(), "ppl_r": torch.exp(-mu_r).sum(), "lppl_r": (-mu_r).sum(),
-        "diff": diff.sum(), "adiff": diff.abs().sum(), "pplratio": torch.exp(diff).sum(),
-        "rho2": (rho * rho).sum(), "chi2seq": torch.exp(2.0 * seq_log).sum(),
-    }
-    if t.numel():
-        upd.update(w_max=w.max(), w_min=w.min())
-    if n_rows:
-        upd.update(r_max=row_w.max(), r_min=row_w.min(), dev_max=(row_w - 1.0).abs().max(), diff_max=diff.max(),
-                   diff_min=diff.min(), lr_max=row_log.max(), lr_min=row_log.min())
+    (c, lower), truncate = config.verl_is_bounds(), config.convention != "verl<=0.7"
+    log_terms = verl_log_ratio_terms(t, r, cu)
+    _, is_sums = verl_is_sums(log_terms, cu, level=config.rollout_is, threshold=c, threshold_lower=lower,
+                              truncate=truncate)
+    upd = {**verl_counts(t.numel(), cu), **is_sums, **verl_offpolicy_sums(t, r, cu, log_terms)}
+    if bounds:
+        upd.update(verl_rs_sums(t, r, cu, bounds)[1])
     state.update(**{p + k: v for k, v in upd.items()})
-
-
-def _verl_compute(state: MetricState, p: str, config: AnalyzeConfig) -> dict[str, float]:
-    n, rows = int(state[p + "n"]), int(state[p + "rows"])
-    if n == 0 or rows == 0:  # verl raises on a batch without valid tokens
-        return {}
-    sequence = config.rollout_is == "sequence"
-    mean = float(state[p + "w"]) / n
-    v_mean, v_sq = float(state[p + "v"]) / n, float(state[p + "v2"]) / n
-    r_mean = float(state[p + "r"]) / rows
-    r_var = (float(state[p + "r2"]) - rows * r_mean * r_mean) / (rows - 1) if rows > 1 else 0.0
-    if sequence:  # verl: exp of the extreme log-sums (the max capped at exp(20)), fractions over sequences
-        is_max = math.exp(min(float(state[p + "lr_max"]), VERL_SAFETY_BOUND))
-        is_min = math.exp(float(state[p + "lr_min"]))
-    else:
-        is_max, is_min = float(state[p + "w_max"]), float(state[p + "w_min"])
-    frac_den = rows if sequence else n
-    out = {
-        "rollout_is_mean": mean,
-        "rollout_is_max": is_max,
-        "rollout_is_min": is_min,
-        "rollout_is_std": math.sqrt(max(v_sq - v_mean * v_mean, 0.0)) if n > 1 else 0.0,
-        "rollout_is_eff_sample_size": (v_mean + 1e-8) ** 2 / v_sq if v_sq > 0 else math.nan,
-        "rollout_is_ratio_fraction_high": int(state[p + "n_high"]) / frac_den,
-        "rollout_is_ratio_fraction_low": int(state[p + "n_low"]) / frac_den,
-        "rollout_is_seq_mean": r_mean,
-        "rollout_is_seq_std": math.sqrt(max(r_var, 0.0)),
-        "rollout_is_seq_max": float(state[p + "r_max"]),
-        "rollout_is_seq_min": float(state[p + "r_min"]),
-        "rollout_is_seq_max_deviation": float(state[p + "dev_max"]),
-        "rollout_is_seq_fraction_high": int(state[p + "rows_high"]) / rows,
-        "rollout_is_seq_fraction_low": int(state[p + "rows_low"]) / rows,
-        "training_ppl": float(state[p + "ppl_t"]) / rows,
-        "training_log_ppl": float(state[p + "lppl_t"]) / rows,
-        "kl": float(state[p + "kl"]) / n,
-        "k3_kl": float(state[p + "k3"]) / n,
-        "rollout_ppl": float(state[p + "ppl_r"]) / rows,
-        "rollout_log_ppl": float(state[p + "lppl_r"]) / rows,
-        "log_ppl_diff": float(state[p + "diff"]) / rows,
-        "log_ppl_abs_diff": float(state[p + "adiff"]) / rows,
-        "log_ppl_diff_max": float(state[p + "diff_max"]),
-        "log_ppl_diff_min": float(state[p + "diff_min"]),
-        "ppl_ratio": float(state[p + "pplratio"]) / rows,
-        "chi2_token": float(state[p + "rho2"]) / n - 1.0,
-        "chi2_seq": float(state[p + "chi2seq"]) / rows - 1.0,
-    }
-    if config.verl_is_bounds()[1] is not None:
-        out["rollout_is_oob_ratio"] = int(state[p + "n_oob"]) / n
-    return out
 
 
 class VerlPeerGroup(MetricGroup):
@@ -389,27 +210,22 @@ class VerlPeerGroup(MetricGroup):
         if config.peer() != "verl":
             return MetricState({}, device)
         bounds = _rs_bounds(config)
-        specs = {**_verl_specs("d_"), **_verl_specs("b_"), **_rs_specs("d_", bounds), **_rs_specs("b_", bounds)}
-        specs.update({k: total() for k in ("px", "py", "pxx", "pyy", "pxy", "score")})
+        specs = {**_verl_specs("d_", bounds), **_verl_specs("b_", bounds)}
+        specs.update({k: total() for k in (*_PEARSON_SUMS, "score")})
         specs.update(pn=count(), n_scored=count(), score_max=maximum(), score_min=minimum())
         return MetricState(specs, device)
 
     def update(self, state: MetricState, batch: TokenBatch, valid: TokenBatch, config: AnalyzeConfig) -> None:
         if config.peer() != "verl":
             return
-        (c, lower), truncate = config.verl_is_bounds(), config.convention != "verl<=0.7"
         bounds, cu = _rs_bounds(config), valid.cu_seqlens
         if valid.old_logp is not None:
             pairs = [("b_", valid.new_logp)] + ([("d_", valid.prox_logp)] if valid.prox_logp is not None else [])
             for prefix, train in pairs:
-                _verl_update(state, prefix, train, valid.old_logp, cu, c, truncate, level=config.rollout_is,
-                             lower=lower)
-                if bounds:
-                    _rs_update(state, prefix, train, valid.old_logp, cu, bounds)
+                _verl_update(state, prefix, train, valid.old_logp, cu, config, bounds)
             if valid.prox_logp is not None:
-                x, y = torch.exp(f64(valid.prox_logp)), torch.exp(f64(valid.old_logp))
-                state.update(px=x.sum(), py=y.sum(), pxx=(x * x).sum(), pyy=(y * y).sum(), pxy=(x * y).sum(),
-                             pn=torch.tensor(x.numel()))
+                sums = pearson_sums(torch.exp(f64(valid.prox_logp)), torch.exp(f64(valid.old_logp)))
+                state.update(**dict(zip(_PEARSON_SUMS, sums)), pn=torch.tensor(valid.n_tokens))
         if valid.rewards is not None:
             scored = lengths_from_cu_seqlens(valid.cu_seqlens).to(valid.rewards.device) > 0
             s = f64(valid.rewards[scored])
@@ -422,16 +238,20 @@ class VerlPeerGroup(MetricGroup):
             return {}
         out: dict[str, Any] = {}
         bounds = _rs_bounds(config)
+        icepop = config.verl_is_bounds()[1] is not None
         for prefix, (ours, _, _, _) in (("d_", _VERL_SETS["decoupled"]), ("b_", _VERL_SETS["bypass"])):
-            out.update({ours + k: v for k, v in _verl_compute(state, prefix, config).items()})
+            figures = verl_is_figures(state, level=config.rollout_is, icepop=icepop, prefix=prefix)
+            oob = figures.pop("rollout_is_oob_ratio", None)  # reported after the off-policy figures
+            figures.update(verl_offpolicy_figures(state, prefix=prefix))
+            if oob is not None:
+                figures["rollout_is_oob_ratio"] = oob
             if bounds:
-                out.update({ours + k: v for k, v in _rs_compute(state, prefix, bounds).items()})
+                figures.update(verl_rs_figures(state, bounds, prefix=prefix))
+            out.update({ours + k: v for k, v in figures.items()})
         n = int(state["pn"])
         if n > 1:
-            mx, my = float(state["px"]) / n, float(state["py"]) / n
-            cov = float(state["pxy"]) / n - mx * my
-            vx, vy = float(state["pxx"]) / n - mx * mx, float(state["pyy"]) / n - my * my
-            out[_VERL_PEARSON] = cov / math.sqrt(vx * vy) if vx > 0 and vy > 0 else math.nan
+            pearson = pearson_from_sums(n, *(float(state[k]) for k in _PEARSON_SUMS))
+            out[_VERL_PEARSON] = math.nan if pearson is None else pearson
         m = int(state["n_scored"])
         if m:
             out[_VERL_SCORE + "mean"] = float(state["score"]) / m
