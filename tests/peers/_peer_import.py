@@ -171,3 +171,14 @@ def peer_imports(
         for name in list(sys.modules):
             if name.split(".")[0] in stub_names:
                 del sys.modules[name]
+        _forget_availability_checks()
+
+
+def _forget_availability_checks() -> None:
+    """transformers caches its "is X installed" checks (``functools.lru_cache``) at their first call. Made while the
+    stubs stood in for missing packages (torchvision, PIL), they would claim those for the rest of the process, and a
+    later real ``from transformers import AutoProcessor`` (TRL's trainer) would try to import them."""
+    checks = sys.modules.get("transformers.utils.import_utils")
+    for value in vars(checks).values() if checks is not None else ():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
