@@ -202,6 +202,7 @@ def test_the_recipes_helper_ends_a_step_when_the_next_begins(tmp_path_factory: p
     assert namespace["_open_step"] == 1 and namespace["diagnoser"].findings()[0]["step"] == 0
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_judge_as_one_process(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     import json
     import os

@@ -48,6 +48,7 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         assert a == b and type(a) is type(b), (path, a, b)
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_match_one_process(tmp_path, capsys):
     good = tmp_path / "good.parquet"
     write_sequences(str(good), random_sequences(80, seed=31, with_prox=True, max_len=24), row_group_size=6)

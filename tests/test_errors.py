@@ -446,6 +446,7 @@ def entry_point_runs(request, tmp_path_factory):
         proc.communicate()
 
 
+@pytest.mark.slow
 def test_python_m_entry_point_never_shows_a_traceback(entry_point_runs):
     """The only subprocess test: the real interpreter exit path of ``python -m grpo_cli``."""
     missing, (missing_run, injected_run) = entry_point_runs

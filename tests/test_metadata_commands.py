@@ -137,6 +137,7 @@ def test_check_takes_the_dumps_options(capsys, dumps, tmp_path):
     _refused(capsys, "check", _disagreeing(tmp_path), "-r", rules)
 
 
+@pytest.mark.slow
 def test_report_takes_the_dumps_options(capsys, dumps, tmp_path):
     def data(*args):
         page = tmp_path / "page.html"

@@ -83,7 +83,8 @@ def test_prefix_and_globs_give_the_local_figures(s3_env, capsys, local_dump, rem
     ["advantages", "--estimator", "grpo", "--format", "json", "--workers", "1"],
     ["analyze", "--group-by", "step", "--format", "csv", "--workers", "1"],
     ["analyze", "--format", "json", "--workers", "1", "--on-invalid", "skip"],  # readable_files on the store
-    ["analyze", "--format", "json", "--workers", "2", "--batch-tokens", "40"],  # forked workers read the store too
+    # spawned workers read the store too (each imports torch: several seconds)
+    pytest.param(["analyze", "--format", "json", "--workers", "2", "--batch-tokens", "40"], marks=pytest.mark.slow),
 ])
 def test_every_command_reads_object_storage(s3_env, capsys, local_dump, remote_dump, command):
     name, *options = command

@@ -62,6 +62,7 @@ def run(capsys, *args) -> tuple[int, str, str]:
     ["analyze", "--format", "json", "--group-by", "step"],
     ["compare-prox", "--format", "json"],
 ])
+@pytest.mark.slow
 def test_ray_output_is_bitwise_one_process(ray_cluster, capsys, dump, options):
     command, *rest = options
     assert len(plan_units(RolloutDataset([dump]).shards(), 4 * BATCH)) >= 6  # several tasks per worker
@@ -72,6 +73,7 @@ def test_ray_output_is_bitwise_one_process(ray_cluster, capsys, dump, options):
     assert json.loads(one[1])["metrics"]["n_tokens"] > 500
 
 
+@pytest.mark.slow
 def test_library_callers_choose_ray_with_use_executor(ray_cluster, dump):
     config = AnalyzeConfig(batch_tokens=BATCH)
     local = analyze(RolloutDataset([dump]), config)
@@ -82,6 +84,7 @@ def test_library_callers_choose_ray_with_use_executor(ray_cluster, dump):
         pass
 
 
+@pytest.mark.slow
 def test_bad_input_in_a_task_is_the_same_one_line(ray_cluster, capsys, tmp_path):
     seqs = random_sequences(40, seed=3, max_len=20)
     seqs[33].new[-1] = 0.5  # a positive log-prob (a response token) in a late row group
@@ -92,6 +95,7 @@ def test_bad_input_in_a_task_is_the_same_one_line(ray_cluster, capsys, tmp_path)
     assert on_ray[2] == one[2] and on_ray[2].count("\n") == 1 and "row 33" in on_ray[2]
 
 
+@pytest.mark.slow
 def test_tasks_read_object_storage_themselves(ray_cluster, s3_server, capsys, monkeypatch, dump):
     for name, value in s3_server.env.items():
         monkeypatch.setenv(name, value)

@@ -150,6 +150,7 @@ def small(tmp_path_factory):
 # -- structure ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_section_and_chart_is_there(sample_page):
     html = sample_page.decode("utf-8")
     assert len(sample_page) < 1_000_000
@@ -177,6 +178,7 @@ def test_every_section_and_chart_is_there(sample_page):
     assert "Rows with identical values are merged" in html
 
 
+@pytest.mark.slow
 def test_all_figures_lists_the_top_tokens_as_lines_not_json(sample_page):
     html = sample_page.decode("utf-8")
     figures = re.search(r'<h2 id="figures">.*?<h2', html, re.S)
@@ -192,6 +194,7 @@ def test_all_figures_lists_the_top_tokens_as_lines_not_json(sample_page):
                      figures.group(0))
 
 
+@pytest.mark.slow
 def test_page_is_offline(sample_page):
     html = sample_page.decode("utf-8")
     outside_data = DATA.sub("", html)
@@ -202,6 +205,7 @@ def test_page_is_offline(sample_page):
     assert len(re.findall(r"<script\b", html)) == 1  # the data block; no JavaScript at all
 
 
+@pytest.mark.slow
 def test_page_is_valid_html(sample_page):
     html = sample_page.decode("utf-8")
     assert html.startswith("<!DOCTYPE html>\n<html lang=\"en\">")
@@ -216,6 +220,7 @@ def test_page_is_valid_html(sample_page):
         ET.fromstring(svg)  # each is well-formed XML as well
 
 
+@pytest.mark.slow
 def test_under_a_megabyte_and_deterministic_across_processes(sample_page, other_process):
     # Another process (fresh hash seeds, fresh matplotlib state) writes the same bytes.
     proc, out = other_process
@@ -335,6 +340,7 @@ def light_analyze(tmp_path_factory):
     proc.communicate()
 
 
+@pytest.mark.slow
 def test_analyze_does_not_import_matplotlib_or_jinja2(light_analyze):
     stdout, stderr = light_analyze.communicate(timeout=120)
     assert light_analyze.returncode == 0, stderr

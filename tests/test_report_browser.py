@@ -13,10 +13,10 @@ from reference import random_sequences, write_sequences
 from grpo_cli.cli import main
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     CHROMIUM is None,
     reason="no Chromium on PATH: the browser tier needs Debian's `chromium` (apt-get install chromium; .ci/run does)",
-)
+)]
 
 CHART_IDS = ("fig-trend-clip", "fig-trend-kl", "fig-trend-is-ess", "fig-trend-is-chi2", "fig-trend-entropy",
              "fig-trend-staleness", "fig-trend-loss", "fig-hist-ratio", "fig-hist-abs-diff", "fig-heat-staleness",

@@ -30,7 +30,7 @@ import torch
 PEERS = Path(__file__).resolve().parents[1] / "peers"
 sys.path.insert(0, str(PEERS))
 
-from _peer_import import _StubLoader, peer_imports  # noqa: E402
+from _peer_import import _StubLoader, peer_imports, wheel_cache_lock  # noqa: E402
 
 WHEEL_DIR = Path(os.environ.get("GRPO_CLI_PEER_WHEELS", PEERS / ".wheels"))
 # Third-party modules the frameworks' files import at module level (stubbed only when not installed).
@@ -51,7 +51,13 @@ def unpacked_wheel(dist: str, version: str) -> Path:
     target = WHEEL_DIR / f"{dist}-{version}"
     if (target / ".unpacked").exists():
         return target
-    WHEEL_DIR.mkdir(parents=True, exist_ok=True)
+    with wheel_cache_lock(WHEEL_DIR):
+        return _unpack(dist, version, stem, target)
+
+
+def _unpack(dist: str, version: str, stem: str, target: Path) -> Path:
+    if (target / ".unpacked").exists():  # another test process unpacked it while this one waited
+        return target
     wheels = sorted(WHEEL_DIR.glob(f"{stem}-{version}-*.whl"))
     if not wheels:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",

