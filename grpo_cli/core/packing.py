@@ -140,7 +140,9 @@ def segment_count(mask: Tensor, cu_seqlens: Tensor) -> Tensor:
         >>> segment_count(torch.tensor([True, False, True]), torch.tensor([0, 2, 2, 3])).tolist()
         [1, 0, 1]
     """
-    return segment_span(mask, cu_seqlens)[0]
+    running = _running_count(mask)
+    start = (cu_seqlens - cu_seqlens[0]).to(device=mask.device, dtype=torch.int64)
+    return running.index_select(0, start[1:]) - running.index_select(0, start[:-1])
 
 
 def segment_span(mask: Tensor, cu_seqlens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
