@@ -720,3 +720,25 @@ def test_advantage_config_validation() -> None:
         AdvantageConfig(adv_norm={"mean_level": "batch"})  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         AdvantageConfig(gamma=1.0)  # type: ignore[call-arg]
+
+
+def test_token_weighted_grpo_advantages_equal_areal_token_normalisation(device: str) -> None:
+    from grpo_cli.core.advantages import token_weighted_grpo_advantages
+
+    # Hand value: scores [1, 0] over 3 and 1 tokens: tokens [1, 1, 1, 0], mean 0.75, unbiased std
+    # sqrt((3·0.0625 + 0.5625)/3) = 0.5 → [0.25/0.5, −0.75/0.5].
+    one = token_weighted_grpo_advantages(t64([1.0, 0.0], device), torch.tensor([0, 0], device=device),
+                                         torch.tensor([3, 1], device=device), eps=0.0)
+    close(one, [0.5, -1.5])
+    # Against AReaL's token-level normalisation on the broadcast tokens: non-contiguous groups, a one-row group
+    # (output 0) and a one-token group member.
+    scores = t64([1.0, 0.0, 0.5, 2.0, 1.0, 3.0], device)
+    group = torch.tensor([0, 1, 0, 1, 2, 0], device=device)
+    n_tokens = torch.tensor([4, 2, 1, 5, 3, 2], device=device)
+    got = token_weighted_grpo_advantages(scores, group, n_tokens)
+    tokens = scores.repeat_interleave(n_tokens)
+    cfg = NormConfig(mean_level="group", std_level="group", eps=1e-5)
+    per_token = normalize(tokens, config=cfg, group_ids=group, cu_seqlens=cu_seqlens_from_lengths(n_tokens))
+    starts = torch.cumsum(n_tokens, 0) - n_tokens
+    close(got, per_token.index_select(0, starts), atol=1e-12, rtol=1e-9)
+    assert got[4].item() == 0.0

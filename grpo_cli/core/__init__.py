@@ -19,6 +19,7 @@ from grpo_cli.core.advantages import (
     rloo_advantages,
     roll_to_next_token,
     sequence_to_tokens,
+    token_weighted_grpo_advantages,
 )
 from grpo_cli.core.aggregate import AGG_CONVENTIONS, AGG_MODES, aggregate_loss, aggregate_loss_terms
 from grpo_cli.core.conventions import PEER_RELEASES, check_convention
@@ -99,6 +100,7 @@ __all__ = [
     "rloo_advantages",
     "roll_to_next_token",
     "sequence_to_tokens",
+    "token_weighted_grpo_advantages",
     "StreamingNormalization",
     "StreamingWhiten",
     "distill_loss",

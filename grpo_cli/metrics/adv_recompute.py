@@ -31,6 +31,7 @@ from grpo_cli.core.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
     roll_to_next_token,
+    token_weighted_grpo_advantages,
 )
 from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.packing import segment_ids
@@ -292,7 +293,8 @@ def sequence_variants(seqs: Sequences, scores: Tensor, cfg: AdvantageCheckConfig
     """Every common per-sequence variant except the configured one, from the same shaped scores.
 
     GRPO with each ε of :data:`_EPS_VARIANTS` and an unbiased (``torch.std``, verl) or biased (``/N``) std; the
-    per-token group statistics of AReaL's GRPO recipe (:func:`_token_weighted_group_norm`); Dr.GRPO
+    per-token group statistics of AReaL's GRPO recipe
+    (:func:`~grpo_cli.core.advantages.token_weighted_grpo_advantages`); Dr.GRPO
     (no std, verl ``compute_grpo_outcome_advantage(norm_adv_by_std_in_grpo=False)``); RLOO's leave-one-out baseline
     (verl ``compute_rloo_outcome_advantage``) with a one-sequence group kept or zeroed.
     """
@@ -307,7 +309,7 @@ def sequence_variants(seqs: Sequences, scores: Tensor, cfg: AdvantageCheckConfig
             options = f"--estimator grpo --std-eps {text}" + (" --std-biased" if biased else "")
             adv = grpo_advantages(scores, group, eps=eps, std_unbiased=not biased)
             out.append(Variant(options, {"estimator": "grpo", "std_eps": eps, "std_unbiased": not biased}, adv))
-    tokens = _token_weighted_group_norm(scores, group, seqs.response_len)
+    tokens = token_weighted_grpo_advantages(scores, group, seqs.response_len)
     out.append(Variant("--estimator gae --adv-norm group", {"estimator": "gae", "adv_norm": "group"}, tokens))
     if cfg.estimator != "drgrpo":
         out.append(Variant("--estimator drgrpo", {"estimator": "drgrpo"}, drgrpo_advantages(scores, group)))
@@ -318,25 +320,3 @@ def sequence_variants(seqs: Sequences, scores: Tensor, cfg: AdvantageCheckConfig
         adv = rloo_advantages(scores, group, singleton=singleton)
         out.append(Variant(options, {"estimator": "rloo", "rloo_singleton": singleton}, adv))
     return out
-
-
-def _token_weighted_group_norm(scores: Tensor, group: Tensor, n_tokens: Tensor) -> Tensor:
-    """GRPO with per-*token* group statistics: AReaL's ``Normalization(mean_level="group", std_level="group")``
-    (``adv_norm``, ε 1e-5) over the valid tokens of each group, every token carrying its sequence's score (AReaL's
-    ``gsm8k_grpo.yaml``: γ = λ = 1, no critic, no KL). A sequence then weighs as many times as it has valid tokens,
-    where per-sequence GRPO weighs each once; ``--estimator gae --adv-norm group`` recomputes it token by token.
-
-    ``(r_i − μ_g)/(σ_g + 1e-5)`` with ``μ_g = Σ n_i r_i / N_g``, ``σ_g = sqrt(Σ n_i (r_i − μ_g)² / (N_g − 1))``
-    (1 when ``N_g ≤ 1`` or the group has one sequence), ``N_g = Σ n_i`` the group's valid tokens.
-    """
-    n_groups = int(group.max()) + 1 if group.numel() else 0
-    w = n_tokens.to(_F64)
-    x = scores.to(_F64)
-    n = torch.zeros(n_groups, dtype=_F64, device=x.device).index_add_(0, group, w)
-    s = torch.zeros(n_groups, dtype=_F64, device=x.device).index_add_(0, group, w * x)
-    mean = torch.where(n > 0, s / n.clamp(min=1.0), 0.0)[group]
-    sq = torch.zeros(n_groups, dtype=_F64, device=x.device).index_add_(0, group, w * (x - mean).square())
-    rows = torch.bincount(group, minlength=n_groups)
-    std = torch.where(n > 1, torch.sqrt(sq / (n - 1).clamp(min=1.0)), 1.0)
-    std = torch.where(rows == 1, 1.0, std)[group]
-    return (x - mean) / (std + 1e-5)

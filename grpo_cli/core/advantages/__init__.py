@@ -3,19 +3,20 @@
 Each function mirrors one framework function (AReaL's ``areal/utils/functional.py`` and
 ``areal/engine/ppo/actor.py``, verl's ``verl/trainer/ppo/core_algos.py``):
 
-================================  ==========================================================================
-grpo-cli                          mirrors
-================================  ==========================================================================
-:class:`NormConfig`               AReaL ``NormConfig`` (cli_args.py)
-:func:`normalize`                 AReaL ``Normalization.__call__`` (data.py) — ``reward_norm`` / ``adv_norm``
-:func:`gae_advantages`            AReaL ``_compute_token_level_gae`` (gae.py; in ``_compute_advantages``)
-:func:`compute_advantages`        AReaL ``PPOActor._compute_advantages`` (shaping, KL rewards, GAE, adv_norm)
-:func:`grpo_advantages`           verl ``compute_grpo_outcome_advantage`` (TRL/OpenRLHF/slime: other ε)
-:func:`drgrpo_advantages`         verl GRPO with ``norm_adv_by_std_in_grpo=False``; OpenRLHF ``dr_grpo``
-:func:`rloo_advantages`           verl ``compute_rloo_outcome_advantage``; OpenRLHF ``rloo``
-:func:`reinforce_pp_advantages`   verl ``compute_reinforce_plus_plus_outcome_advantage``
-:func:`masked_whiten`             verl ``verl_F.masked_whiten``
-================================  ==========================================================================
+========================================  ==========================================================================
+grpo-cli                                  mirrors
+========================================  ==========================================================================
+:class:`NormConfig`                       AReaL ``NormConfig`` (cli_args.py)
+:func:`normalize`                         AReaL ``Normalization.__call__`` (data.py) — ``reward_norm`` / ``adv_norm``
+:func:`gae_advantages`                    AReaL ``_compute_token_level_gae`` (gae.py; in ``_compute_advantages``)
+:func:`compute_advantages`                AReaL ``PPOActor._compute_advantages`` (shaping, KL rewards, GAE, adv_norm)
+:func:`grpo_advantages`                   verl ``compute_grpo_outcome_advantage`` (TRL/OpenRLHF/slime: other ε)
+:func:`drgrpo_advantages`                 verl GRPO with ``norm_adv_by_std_in_grpo=False``; OpenRLHF ``dr_grpo``
+:func:`rloo_advantages`                   verl ``compute_rloo_outcome_advantage``; OpenRLHF ``rloo``
+:func:`reinforce_pp_advantages`           verl ``compute_reinforce_plus_plus_outcome_advantage``
+:func:`masked_whiten`                     verl ``verl_F.masked_whiten``
+:func:`token_weighted_grpo_advantages`    AReaL ``adv_norm`` group/group on outcome scores, per sequence
+========================================  ==========================================================================
 
 Layouts: per-token inputs are padded ``[B, T]`` (one sequence per row) or packed ``[N]`` with ``cu_seqlens``;
 per-sequence estimators take rewards ``[B]`` and integer ``group_ids`` ``[B]`` (any values, groups need not be
@@ -36,7 +37,12 @@ from grpo_cli._choices import ADVANTAGE_ESTIMATORS
 from grpo_cli.core.advantages.gae import AdvantageConfig, compute_advantages, gae_advantages
 from grpo_cli.core.advantages.layout import outcome_to_token_rewards, roll_to_next_token, sequence_to_tokens
 from grpo_cli.core.advantages.normalization import Normalization, NormConfig, normalize
-from grpo_cli.core.advantages.outcome import drgrpo_advantages, grpo_advantages, rloo_advantages
+from grpo_cli.core.advantages.outcome import (
+    drgrpo_advantages,
+    grpo_advantages,
+    rloo_advantages,
+    token_weighted_grpo_advantages,
+)
 from grpo_cli.core.advantages.returns import REINFORCE_PP_CONVENTIONS, masked_whiten, reinforce_pp_advantages
 
 __all__ = [
@@ -56,5 +62,6 @@ __all__ = [
     "rloo_advantages",
     "roll_to_next_token",
     "sequence_to_tokens",
+    "token_weighted_grpo_advantages",
 ]
 

@@ -1,5 +1,6 @@
 """The per-sequence (outcome) estimators that compare a reward with its group's: GRPO (mean and std),
-Dr.GRPO (mean) and RLOO (mean of the others), as verl's ``core_algos.py`` and OpenRLHF compute them."""
+Dr.GRPO (mean) and RLOO (mean of the others), as verl's ``core_algos.py`` and OpenRLHF compute them, and GRPO with
+AReaL's token-weighted group statistics."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from grpo_cli.core._loss_common import check_real
 from grpo_cli.core.advantages._common import F64, group_index, segment_add
 from grpo_cli.core.rewards import as_float, result_dtype
 
-__all__ = ["drgrpo_advantages", "grpo_advantages", "rloo_advantages"]
+__all__ = ["drgrpo_advantages", "grpo_advantages", "rloo_advantages", "token_weighted_grpo_advantages"]
 
 
 def _outcome_groups(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, torch.dtype]:
@@ -104,3 +105,40 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor, *, singleton: Literal["k
     loo = r64 - (total[inverse] - r64) / torch.clamp(n - 1, min=1.0)
     keep = r64 if singleton == "keep" else torch.zeros_like(r64)
     return torch.where(n > 1, loo, keep).to(dtype)
+
+
+def token_weighted_grpo_advantages(scores: Tensor, group: Tensor, n_tokens: Tensor, *, eps: float = 1e-5) -> Tensor:
+    """GRPO with per-*token* group statistics, one value per sequence: AReaL's
+    ``Normalization(mean_level="group", std_level="group")`` (``adv_norm``, ε 1e-5) over the valid tokens of each
+    group, every token carrying its sequence's score (AReaL's ``gsm8k_grpo.yaml``: γ = λ = 1, no critic, no KL).
+
+    A sequence weighs as many times as it has valid tokens, where :func:`grpo_advantages` weighs each once:
+    ``(r_i − μ_g)/(σ_g + ε)`` with ``μ_g = Σ n_i r_i / N_g``, ``σ_g = sqrt(Σ n_i (r_i − μ_g)² / (N_g − 1))``
+    (1 when ``N_g ≤ 1`` or the group has one sequence), ``N_g = Σ n_i`` the group's valid tokens. Equal to
+    :func:`normalize` over the tokens, computed from ``[B]`` values instead of ``[N]``.
+
+    Args:
+        scores: ``[B]`` per-sequence scores.
+        group: ``[B]`` dense group index (``0 … G − 1``).
+        n_tokens: ``[B]`` valid tokens per sequence.
+        eps: ε added to σ.
+
+    Returns:
+        ``[B]`` float64 advantages.
+
+    Example:
+        >>> token_weighted_grpo_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), torch.tensor([3, 1]),
+        ...                                eps=0.0).tolist()
+        [0.5, -1.5]
+    """
+    n_groups = int(group.max()) + 1 if group.numel() else 0
+    w = n_tokens.to(F64)
+    x = scores.to(F64)
+    n = torch.zeros(n_groups, dtype=F64, device=x.device).index_add_(0, group, w)
+    s = torch.zeros(n_groups, dtype=F64, device=x.device).index_add_(0, group, w * x)
+    mean = torch.where(n > 0, s / n.clamp(min=1.0), 0.0)[group]
+    sq = torch.zeros(n_groups, dtype=F64, device=x.device).index_add_(0, group, w * (x - mean).square())
+    rows = torch.bincount(group, minlength=n_groups)
+    std = torch.where(n > 1, torch.sqrt(sq / (n - 1).clamp(min=1.0)), 1.0)
+    std = torch.where(rows == 1, 1.0, std)[group]
+    return (x - mean) / (std + eps)
