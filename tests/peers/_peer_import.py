@@ -164,6 +164,11 @@ def wheel_cache_lock(directory: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+PEER_MODULES: dict[str, types.ModuleType] = {}
+"""The modules loaded from the peers' wheels (``verl.…``, ``trl.…``, ...), kept out of ``sys.modules`` between the
+peers' tests (see :func:`peer_modules_installed`)."""
+
+
 @contextlib.contextmanager
 def peer_imports(
     roots: dict[str, Path], stubs: Iterable[str], versions: dict[str, str] | None = None
@@ -171,13 +176,13 @@ def peer_imports(
     """While active, ``import <peer>.x.y`` loads the unpacked files under ``roots`` (each maps a top-level package
     name to the folder that holds it) and the modules in ``stubs`` that are not installed are permissive stubs.
 
-    On exit the finder and the stub modules leave ``sys.modules``/``sys.meta_path`` again (the peer modules keep
-    their references), so the rest of the test session never sees a fake ``transformers``.
+    On exit the finder, the stub modules and the peer modules themselves leave ``sys.modules``/``sys.meta_path``
+    again (the peer modules go to :data:`PEER_MODULES`; what stood under their names before comes back), so the rest
+    of the test session never sees a fake ``transformers`` nor the wheel's ``trl`` in place of the installed one:
+    a TRL test run later in the same process (a pytest-xdist worker) imports the real package.
     """
     stub_names = {s for s in stubs if s not in sys.modules and importlib.util.find_spec(s) is None}
-    for name in list(sys.modules):
-        if name.split(".")[0] in roots:
-            del sys.modules[name]
+    saved = {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] in roots}
     finder = _Finder(roots, stub_names, versions or {})
     sys.meta_path.insert(0, finder)
     try:
@@ -185,9 +190,30 @@ def peer_imports(
     finally:
         sys.meta_path.remove(finder)
         for name in list(sys.modules):
-            if name.split(".")[0] in stub_names:
+            top = name.split(".")[0]
+            if top in roots:
+                PEER_MODULES[name] = sys.modules.pop(name)
+            elif top in stub_names:
                 del sys.modules[name]
+        sys.modules.update(saved)
         _forget_availability_checks()
+
+
+@contextlib.contextmanager
+def peer_modules_installed() -> Iterator[None]:
+    """While active, the modules loaded by :func:`peer_imports` stand in ``sys.modules`` (a peer function importing
+    a sibling module at call time finds its own); on exit the installed packages of the same names come back, and
+    peer modules imported meanwhile join :data:`PEER_MODULES`."""
+    tops = {name.split(".")[0] for name in PEER_MODULES}
+    saved = {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] in tops}
+    sys.modules.update(PEER_MODULES)
+    try:
+        yield
+    finally:
+        for name in list(sys.modules):
+            if name.split(".")[0] in tops:
+                PEER_MODULES[name] = sys.modules.pop(name)
+        sys.modules.update(saved)
 
 
 def _forget_availability_checks() -> None:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import warnings
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -21,7 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _peer_import import peer_imports, wheel_cache_lock
+from _peer_import import peer_imports, peer_modules_installed, wheel_cache_lock
 
 # The cache folder; GRPO_CLI_PEER_WHEELS points it elsewhere (e.g. a shared CI cache).
 WHEEL_DIR = Path(os.environ.get("GRPO_CLI_PEER_WHEELS", Path(__file__).parent / ".wheels"))
@@ -160,6 +161,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     # (a fixture's skip is reported at each test's own location).
     if TIER in Path(str(item.fspath)).parents and isinstance(_fetch_once(), str):
         raise pytest.skip.Exception(_fetch_once())
+
+
+@pytest.fixture(autouse=True)
+def _peer_modules() -> Iterator[None]:
+    """Each peers test sees the wheels' modules under their own names, and leaves the installed ones in place."""
+    with peer_modules_installed():
+        yield
 
 
 @pytest.fixture(scope="session")
