@@ -178,8 +178,8 @@ class TokenBatch:
         return replace(self, cu_seqlens=cu_seqlens_from_lengths(lengths.index_select(0, sequences)), **changes)
 
     def sequence_range(self, start: int, stop: int) -> TokenBatch:
-        """Sequences ``start … stop − 1`` as views of this batch's tensors (no copy), their valid view likewise when
-        this batch's is already built: ``select_sequences`` of a contiguous run, without gathering."""
+        """Sequences ``start … stop − 1`` as views of this batch's tensors (no copy), and their valid view as views
+        of this batch's (built here if it was not yet): ``select_sequences`` of a contiguous run, without gathering."""
         cu = self.cu_seqlens
         first, last = int(cu[start]), int(cu[stop])
         changes: dict[str, Any] = {}  # Tensor | None per column (Any: dataclasses.replace types each field)
@@ -190,9 +190,8 @@ class TokenBatch:
             value = getattr(self, name)
             changes[name] = None if value is None else value[start:stop]
         part = replace(self, cu_seqlens=cu[start:stop + 1] - cu[start], **changes)
-        valid = self.memo().get("valid")
-        if valid is not None:
-            part.memo()["valid"] = valid.sequence_range(start, stop)
+        valid = self.valid()
+        part.memo()["valid"] = part if valid is self else valid.sequence_range(start, stop)
         return part
 
     def valid(self) -> TokenBatch:
@@ -206,6 +205,7 @@ class TokenBatch:
             return cached
         view = self._compact()
         memo["valid"] = view
+        view.memo()["valid"] = view  # its tokens are all valid, their positions already the sequence's
         return view
 
     def _compact(self) -> TokenBatch:

@@ -188,7 +188,6 @@ def _update_batch(
     if bool((keys[1:] < keys[:-1]).any()):
         order = torch.argsort(keys, stable=True)
         batch, keys = batch.select_sequences(order), keys.index_select(0, order)
-    batch.valid()
     values, counts = torch.unique_consecutive(keys, return_counts=True)
     start = 0
     for key, count in zip(values.tolist(), counts.tolist()):
