@@ -38,17 +38,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tiny
 
 pytestmark = pytest.mark.integration
-try:
-    import trl  # noqa: F401
-except ImportError as exc:  # not installed (or a broken install): the whole tier skips with one line
-    pytest.skip(f"trl cannot be imported ({exc}); pip install -e '.[dev,trl]' runs the TRL tier",
-                allow_module_level=True)
+tiny.import_trl()  # the whole tier skips with one line without TRL
 
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-import tiny  # noqa: E402
 import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,6 +11,20 @@ import random
 from pathlib import Path
 from typing import Any
 
+
+def import_trl() -> Any:
+    """``trl``, or a skip of the calling test module with one line when it cannot be imported: the TRL tier's files
+    skip together, with the same reason."""
+    import pytest
+
+    try:
+        import trl
+    except ImportError as exc:  # not installed (or a broken install)
+        pytest.skip(f"trl cannot be imported ({exc}); pip install -e '.[dev,trl]' runs the TRL tier",
+                    allow_module_level=True)
+    return trl
+
+
 WORDS = ["add", "and", "the", "sum", "is", "so", "then", "maybe", "yes", "no", *[str(i) for i in range(19)]]
 SPECIAL = ["[PAD]", "[UNK]", "[BOS]", "[EOS]"]
 
