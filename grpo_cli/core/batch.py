@@ -191,7 +191,10 @@ class TokenBatch:
             changes[name] = None if value is None else value[start:stop]
         part = replace(self, cu_seqlens=cu[start:stop + 1] - cu[start], **changes)
         valid = self.valid()
-        part.memo()["valid"] = part if valid is self else valid.sequence_range(start, stop)
+        if valid is self:
+            part.memo()["compact"] = True
+        else:
+            part.memo()["valid"] = valid.sequence_range(start, stop)
         return part
 
     def valid(self) -> TokenBatch:
@@ -200,12 +203,16 @@ class TokenBatch:
         Built once per batch object and memoised (:meth:`memo`): the validator and every metric group share it.
         """
         memo = self.memo()
+        if memo.get("compact"):
+            return self  # a valid view: its tokens are all valid, their positions already the sequence's
         cached = memo.get("valid")
         if cached is not None:
             return cached
         view = self._compact()
         memo["valid"] = view
-        view.memo()["valid"] = view  # its tokens are all valid, their positions already the sequence's
+        # A flag, not a reference to itself: a cycle would keep every batch's tensors alive until the cyclic
+        # garbage collector ran (+400 MiB peak RSS on a 20 M-token dump).
+        view.memo()["compact"] = True
         return view
 
     def _compact(self) -> TokenBatch:
