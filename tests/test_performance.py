@@ -266,6 +266,30 @@ def test_valid_view_is_built_once_and_shared_by_the_validator():
     assert replace(clean).memo() == {}  # a copy starts with an empty memo
 
 
+def test_valid_views_and_key_runs_are_freed_without_the_cycle_collector():
+    # A batch's valid view (and a key run's) must not refer to itself: a reference cycle keeps every batch's
+    # tensors alive until the cyclic collector runs, which raised the peak RSS of a 20 M-token analyze by 400 MiB.
+    import gc
+    import weakref
+
+    batch = BatchValidator("error")(batch_with_masks())
+    view = batch.valid()
+    assert view.valid() is view  # a valid view is its own valid view
+    part = batch.sequence_range(2, 4)  # builds nothing new for the batch: slices its valid view
+    assert part.valid().positions.tolist() == [0, 1, 3, 4]  # the last two sequences' valid tokens
+    assert part.valid().new_logp.data_ptr() == view.new_logp[2:].data_ptr()
+    assert part.valid().valid() is part.valid()
+    refs = [weakref.ref(obj) for obj in (batch, view, part, part.valid())]
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del batch, view, part
+        assert [ref() is None for ref in refs] == [True] * len(refs)
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def test_valid_view_of_an_all_true_mask_equals_the_general_compaction():
     # Response-only dumps have no masked token: the view then gathers nothing, but must equal the gather's result
     # (an int8 mask of ones takes the general path on the same data).
