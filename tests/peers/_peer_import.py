@@ -164,22 +164,20 @@ def wheel_cache_lock(directory: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-PEER_MODULES: dict[str, types.ModuleType] = {}
-"""The modules loaded from the peers' wheels (``verl.…``, ``trl.…``, ...), kept out of ``sys.modules`` between the
-peers' tests (see :func:`peer_modules_installed`)."""
-
-
 @contextlib.contextmanager
 def peer_imports(
-    roots: dict[str, Path], stubs: Iterable[str], versions: dict[str, str] | None = None
+    roots: dict[str, Path],
+    stubs: Iterable[str],
+    versions: dict[str, str] | None = None,
+    loaded: dict[str, types.ModuleType] | None = None,
 ) -> Iterator[None]:
     """While active, ``import <peer>.x.y`` loads the unpacked files under ``roots`` (each maps a top-level package
     name to the folder that holds it) and the modules in ``stubs`` that are not installed are permissive stubs.
 
     On exit the finder, the stub modules and the peer modules themselves leave ``sys.modules``/``sys.meta_path``
-    again (the peer modules go to :data:`PEER_MODULES`; what stood under their names before comes back), so the rest
-    of the test session never sees a fake ``transformers`` nor the wheel's ``trl`` in place of the installed one:
-    a TRL test run later in the same process (a pytest-xdist worker) imports the real package.
+    again (the peer modules go to ``loaded`` when given; what stood under their names before comes back), so the
+    rest of the test session never sees a fake ``transformers`` nor the wheel's ``trl`` in place of the installed
+    one: a TRL test run later in the same process (a pytest-xdist worker) imports the real package.
     """
     stub_names = {s for s in stubs if s not in sys.modules and importlib.util.find_spec(s) is None}
     saved = {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] in roots}
@@ -192,7 +190,9 @@ def peer_imports(
         for name in list(sys.modules):
             top = name.split(".")[0]
             if top in roots:
-                PEER_MODULES[name] = sys.modules.pop(name)
+                module = sys.modules.pop(name)
+                if loaded is not None:
+                    loaded[name] = module
             elif top in stub_names:
                 del sys.modules[name]
         sys.modules.update(saved)
@@ -200,19 +200,19 @@ def peer_imports(
 
 
 @contextlib.contextmanager
-def peer_modules_installed() -> Iterator[None]:
-    """While active, the modules loaded by :func:`peer_imports` stand in ``sys.modules`` (a peer function importing
-    a sibling module at call time finds its own); on exit the installed packages of the same names come back, and
-    peer modules imported meanwhile join :data:`PEER_MODULES`."""
-    tops = {name.split(".")[0] for name in PEER_MODULES}
+def peer_modules_installed(loaded: dict[str, types.ModuleType]) -> Iterator[None]:
+    """While active, the modules ``loaded`` by :func:`peer_imports` stand in ``sys.modules`` (a peer function
+    importing a sibling module at call time finds its own); on exit the installed packages of the same names come
+    back, and peer modules imported meanwhile join ``loaded``."""
+    tops = {name.split(".")[0] for name in loaded}
     saved = {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] in tops}
-    sys.modules.update(PEER_MODULES)
+    sys.modules.update(loaded)
     try:
         yield
     finally:
         for name in list(sys.modules):
             if name.split(".")[0] in tops:
-                PEER_MODULES[name] = sys.modules.pop(name)
+                loaded[name] = sys.modules.pop(name)
         sys.modules.update(saved)
 
 

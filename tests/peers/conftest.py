@@ -87,6 +87,8 @@ STUBS = (
     "zmq",
 )
 TIER = Path(__file__).parent
+LOADED: dict[str, ModuleType] = {}
+"""The modules loaded from the wheels, out of ``sys.modules`` except while a peers test runs."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -166,7 +168,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.fixture(autouse=True)
 def _peer_modules() -> Iterator[None]:
     """Each peers test sees the wheels' modules under their own names, and leaves the installed ones in place."""
-    with peer_modules_installed():
+    with peer_modules_installed(LOADED):
         yield
 
 
@@ -184,7 +186,7 @@ def _load(peer_roots: dict[str, Path], modules: list[str]) -> list[ModuleType]:
 
     roots = {PINS[k][2]: p for k, p in peer_roots.items()}
     versions = {PINS[k][2]: PINS[k][1] for k in PINS}
-    with peer_imports(roots, STUBS, versions), warnings.catch_warnings():
+    with peer_imports(roots, STUBS, versions, LOADED), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # version warnings about the stubs (e.g. TRL on "vLLM 99.0.0")
         return [importlib.import_module(m) for m in modules]
 
