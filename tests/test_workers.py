@@ -212,20 +212,34 @@ class _Sleeps(CountsGroup):
         super().update(state, batch, valid, config)
 
 
-@pytest.mark.parametrize(("costs", "threaded"), [((0.02, 0.02, 0.02), True), ((0.04, 0.001, 0.001), False)])
-def test_metric_threads_are_kept_only_when_the_work_can_be_spread(dump, costs, threaded):
+@pytest.mark.parametrize(("groups", "threaded"), [
+    ([_Sleeps(f"g{i}", 0.02) for i in range(3)], True),
+    ([_Sleeps("g0", 0.04), _Sleeps("g1", 0.001), _Sleeps("g2", 0.001)], False),  # one group dominates
+])
+def test_metric_threads_are_kept_only_when_the_work_can_be_spread(dump, groups, threaded):
     from grpo_cli.engine.runner import _GroupRunner
 
-    groups = [_Sleeps(f"g{i}", c) for i, c in enumerate(costs)]
     config = AnalyzeConfig(batch_tokens=BATCH)
     states = [g.init_state(config, "cpu") for g in groups]
-    batches = list(RolloutDataset([dump]).iter_batches(batch_tokens=BATCH))[:3]
+    batches = list(RolloutDataset([dump]).iter_batches(batch_tokens=BATCH))[:4]
     with _GroupRunner(3, len(groups)) as runner:
-        for batch in batches:
-            runner.update(groups, states, batch, config)
+        for batch in batches:  # two probe batches in this thread, then one timed in the threads, then one more
+            valid = batch.valid()
+            runner.update([(g, [(s, batch, valid)]) for g, s in zip(groups, states)], config, batch.n_tokens)
         assert (runner.pool is not None) is threaded
         runner.finish()
     assert [int(s["n_sequences"]) for s in states] == [sum(b.n_sequences for b in batches)] * 3
+
+
+def test_metric_threads_are_dropped_when_the_timed_batch_was_not_faster():
+    # Work bound by the interpreter lock (many small ops: --group-by with many keys) is spread over the groups, yet
+    # threads hand it over to each other more slowly than one thread runs it: the timed threaded batch decides.
+    from grpo_cli.engine.runner import MIN_MEASURED_SPEEDUP, threads_paid_off
+
+    assert MIN_MEASURED_SPEEDUP == 1.1
+    assert threads_paid_off([0.9e-6, 0.8e-6], 0.5e-6)
+    assert not threads_paid_off([0.9e-6, 0.8e-6], 0.75e-6)  # 0.8 / 0.75 < 1.1: the fastest probe batch counts
+    assert not threads_paid_off([7.1e-6, 6.3e-6], 9.9e-6)  # slower in threads
 
 
 class _FailsOnBatch(CountsGroup):

@@ -35,28 +35,47 @@ MIN_THREAD_SPEEDUP = 1.5
 """Metric threads are kept only if the groups' times on the last probe batch allow at least this speed-up (their
 sum over the longest one)."""
 
+MIN_MEASURED_SPEEDUP = 1.1
+"""...and only if the first batch run in the threads then took at most 1 / this of the probe batches' time per token
+(:func:`threads_paid_off`): work of many small ops (``--group-by`` with many keys) is bound by the interpreter lock,
+and threads handing it over to each other are slower than one."""
+
+
+def threads_paid_off(probe_seconds_per_token: Sequence[float], threaded_seconds_per_token: float) -> bool:
+    """Whether the batch timed in the metric threads was at least :data:`MIN_MEASURED_SPEEDUP` times faster per token
+    than the fastest probe batch run in the caller (the fastest: the first pays one-time costs, and a shared
+    machine only ever slows a batch down)."""
+    return threaded_seconds_per_token * MIN_MEASURED_SPEEDUP <= min(probe_seconds_per_token)
+
+
+Update = tuple[MetricState, TokenBatch, TokenBatch]
+"""One group update: the state, the batch (or a key's sub-batch) and its valid view."""
+
 
 class _GroupRunner:
-    """Runs every group's ``update`` on each batch: in the caller's thread, or spread over ``threads`` threads.
+    """Runs each group's updates of a batch: in the caller's thread, or spread over ``threads`` threads.
 
-    Each group owns its state, so a batch's groups are independent tasks. With threads, the caller hands a batch
-    over and moves on to validating the next one (decoded meanwhile by the prefetch thread) while they compute; at most
-    :data:`BATCHES_IN_FLIGHT` batches are handed over at a time (memory stays bounded). A task first waits for the
-    same state's task on the previous batch, so every state still sees the batches in order, and no figure depends
-    on ``threads`` (torch computes each op on the calling thread, with one intra-op thread per process). torch
-    releases the GIL inside its kernels, so the threads run in parallel. The first :data:`PROBE_BATCHES` batches
-    run in the caller, timed per group; after them, a batch's tasks start in decreasing order of the time each group
-    has taken so far (longest first balances the threads without a hand-kept cost table), or, if one group
-    dominates (:data:`MIN_THREAD_SPEEDUP`), every batch runs in the caller.
+    Each group owns its states, so a batch's groups are independent tasks; a task is one group's updates of the
+    batch: the whole batch's, or (for a ``--group-by`` slot) every key's sub-batch in turn. With threads, the caller
+    hands a batch over and moves on to validating the next one (decoded meanwhile by the prefetch thread) while they
+    compute; at most :data:`BATCHES_IN_FLIGHT` batches are handed over at a time (memory stays bounded). A task first
+    waits for the same slot's task on the previous batch, so every state still sees the batches in order, and no
+    figure depends on ``threads`` (torch computes each op on the calling thread, with one intra-op thread per
+    process). torch releases the GIL inside its kernels, so the threads run in parallel. The first
+    :data:`PROBE_BATCHES` batches run in the caller, timed per slot; after them, a batch's tasks start in decreasing
+    order of the time each slot has taken so far (longest first balances the threads without a hand-kept cost
+    table), or, if one slot dominates (:data:`MIN_THREAD_SPEEDUP`) or the first threaded batch was not faster
+    (:data:`MIN_MEASURED_SPEEDUP`), every batch runs in the caller.
     """
 
-    def __init__(self, threads: int, n_groups: int) -> None:
-        threads = min(threads, n_groups)  # more would idle
+    def __init__(self, threads: int, n_slots: int) -> None:
+        threads = min(threads, n_slots)  # more would idle
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="grpo-cli-metrics") if threads > 1 else None
         self.seconds: dict[int, float] = {}
         self.probed = 0
+        self.probe_seconds_per_token: list[float] = []  # each probe batch's, in the caller
         self.in_flight: deque[list[Future[None]]] = deque()
-        self.last: dict[int, Future[None]] = {}  # id(state) -> its latest task
+        self.last: dict[int, Future[None]] = {}  # slot -> its latest task
 
     def __enter__(self) -> _GroupRunner:
         return self
@@ -65,23 +84,28 @@ class _GroupRunner:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
-    def update(
-        self, groups: Sequence[MetricGroup], states: list[MetricState], batch: TokenBatch, config: StreamConfig
-    ) -> None:
-        """Update ``states`` with ``batch`` now (one thread), or queue the updates (threads: see :meth:`finish`)."""
-        valid = batch.valid()
-        if self.pool is None:
-            for group, state in zip(groups, states):
+    def update(self, tasks: Sequence[tuple[MetricGroup, Sequence[Update]]], config: StreamConfig, tokens: int) -> None:
+        """Run one batch's ``tasks`` (task ``i`` is slot ``i``: a group and its updates, done in order) now (one
+        thread), or queue them (threads: see :meth:`finish`); the batch holds ``tokens`` tokens."""
+
+        def run(index: int) -> None:
+            group, updates = tasks[index]
+            for state, batch, valid in updates:
                 group.update(state, batch, valid, config)
+
+        if self.pool is None:
+            for index in range(len(tasks)):
+                run(index)
             return
         if self.probed < PROBE_BATCHES:
-            # The first batches run here, timed group by group (the last one counts: the first pays one-time
-            # costs); the threads stay only if the work can be spread, not when one group dominates.
-            for i, (group, state) in enumerate(zip(groups, states)):
+            # The first batches run here, timed slot by slot (the last one counts: the first pays one-time
+            # costs); the threads stay only if the work can be spread, not when one slot dominates.
+            for index in range(len(tasks)):
                 start = time.perf_counter()
-                group.update(state, batch, valid, config)
-                self.seconds[i] = time.perf_counter() - start
+                run(index)
+                self.seconds[index] = time.perf_counter() - start
             self.probed += 1
+            self.probe_seconds_per_token.append(sum(self.seconds.values()) / max(tokens, 1))
             if self.probed == PROBE_BATCHES and (
                 sum(self.seconds.values()) < MIN_THREAD_SPEEDUP * max(self.seconds.values(), default=0.0)
             ):
@@ -95,18 +119,25 @@ class _GroupRunner:
             if previous is not None:
                 previous.result()  # queued before this task (FIFO), so already running or done: no deadlock
             start = time.perf_counter()
-            groups[index].update(states[index], batch, valid, config)
-            # (with --group-by two states of one group may race here: that only skews the ordering heuristic)
+            run(index)
             self.seconds[index] = self.seconds.get(index, 0.0) + time.perf_counter() - start
 
-        futures: list[Future[None]] = [None] * len(groups)  # type: ignore[list-item]  # every slot filled below
-        for i in sorted(range(len(groups)), key=lambda i: -self.seconds.get(i, 0.0)):
-            futures[i] = self.pool.submit(task, i, self.last.get(id(states[i])))
-            self.last[id(states[i])] = futures[i]
+        futures: list[Future[None]] = [None] * len(tasks)  # type: ignore[list-item]  # every slot filled below
+        start = time.perf_counter()
+        for i in sorted(range(len(tasks)), key=lambda i: -self.seconds.get(i, 0.0)):
+            futures[i] = self.pool.submit(task, i, self.last.get(i))
+            self.last[i] = futures[i]
         self.in_flight.append(futures)
+        if self.probed == PROBE_BATCHES:
+            # The first threaded batch is waited for and timed against the probe batches.
+            self.probed += 1
+            self.finish()
+            if not threads_paid_off(self.probe_seconds_per_token, (time.perf_counter() - start) / max(tokens, 1)):
+                self.pool.shutdown()
+                self.pool = None
 
     def finish(self) -> None:
-        """Wait for every queued update; raise the first failure in batch and group order."""
+        """Wait for every queued update; raise the first failure in batch and slot order."""
         while self.in_flight:
             self._finish_oldest()
 
@@ -150,7 +181,8 @@ def accumulate_states(
     batches = dataset.iter_batches(columns=wanted, batch_tokens=config.batch_tokens, shards=shards, raw_mask=True,
                                    group_key=config.group_by if coded else None)
     # Decoding runs ahead in a thread (into pinned memory for CUDA) while the groups compute (grpo_cli.engine.stream).
-    with _GroupRunner(threads, len(groups)) as runner:
+    slots = len(groups) + (len(per_key(groups)) if config.group_by is not None or _blocks(config) else 0)
+    with _GroupRunner(threads, slots) as runner:
         for batch in streamed(batches, device):
             _update_batch(acc, groups, batch, config, device, validator, skip_counts, runner)
             if progress is not None:
@@ -172,31 +204,47 @@ def _update_batch(
     if batch.device != device:
         batch = batch.to(device, non_blocking=True)
     batch = validator(batch, skip_counts)
-    runner.update(groups, acc.overall, batch, config)
+    valid = batch.valid()
+    tasks: list[tuple[MetricGroup, Sequence[Update]]] = [
+        (group, [(state, batch, valid)]) for group, state in zip(groups, acc.overall)]
     blocks = _blocks(config)
-    if config.group_by is None and not blocks:
-        return
-    if blocks:
-        keys = block_keys(batch, blocks)
-    elif coded_group_by(config.group_by):
-        keys = cast(Tensor, batch.group_key)  # the reader fills it for a coded --group-by column
-    else:
-        keys = getattr(batch, cast(str, config.group_by))  # not None: the caller checked group_by
-    keyed = per_key(groups)
+    if config.group_by is not None or blocks:
+        if blocks:
+            keys = block_keys(batch, blocks)
+        elif coded_group_by(config.group_by):
+            keys = cast(Tensor, batch.group_key)  # the reader fills it for a coded --group-by column
+        else:
+            keys = getattr(batch, cast(str, config.group_by))  # not None: the caller checked group_by
+        keyed = per_key(groups)
+        parts = _key_parts(acc, keyed, batch, keys, config, device)
+        # One task per keyed group runs every key of the batch: a task per key and group would cost more in
+        # hand-overs between threads than the few hundred small ops of a key's update.
+        tasks += [(group, [(states[slot], part, part.valid()) for states, part in parts])
+                  for slot, group in enumerate(keyed)]
+    runner.update(tasks, config, batch.n_tokens)
+
+
+def _key_parts(
+    acc: Accumulator, keyed: Sequence[MetricGroup], batch: TokenBatch, keys: Tensor, config: StreamConfig,
+    device: torch.device,
+) -> list[tuple[list[MetricState], TokenBatch]]:
+    """Each key's states (created at its first sequence) and sub-batch, in key order."""
     # One gather puts each key's sequences together (none when the dump is written key by key, as steps are); every
     # key's sub-batch is then a run of views, and its valid view a run of the sorted batch's.
     if bool((keys[1:] < keys[:-1]).any()):
         order = torch.argsort(keys, stable=True)
         batch, keys = batch.select_sequences(order), keys.index_select(0, order)
     values, counts = torch.unique_consecutive(keys, return_counts=True)
+    parts = []
     start = 0
     for key, count in zip(values.tolist(), counts.tolist()):
         if key not in acc.by_key:
             if len(acc.by_key) >= config.max_groups:
                 raise UsageError(f"--group-by {config.group_by}: more than {config.max_groups} distinct values")
             acc.by_key[key] = [group.init_state(config, device) for group in keyed]
-        runner.update(keyed, acc.by_key[key], batch.sequence_range(start, start + count), config)
+        parts.append((acc.by_key[key], batch.sequence_range(start, start + count)))
         start += count
+    return parts
 
 
 def _blocks(config: StreamConfig) -> int:
