@@ -181,7 +181,7 @@ def accumulate_states(
     batches = dataset.iter_batches(columns=wanted, batch_tokens=config.batch_tokens, shards=shards, raw_mask=True,
                                    group_key=config.group_by if coded else None)
     # Decoding runs ahead in a thread (into pinned memory for CUDA) while the groups compute (grpo_cli.engine.stream).
-    slots = len(groups) + (len(per_key(groups)) if config.group_by is not None or _blocks(config) else 0)
+    slots = len(groups) + (len(per_key(groups)) if _keyed(config) else 0)
     with _GroupRunner(threads, slots) as runner:
         for batch in streamed(batches, device):
             _update_batch(acc, groups, batch, config, device, validator, skip_counts, runner)
@@ -207,9 +207,8 @@ def _update_batch(
     valid = batch.valid()
     tasks: list[tuple[MetricGroup, Sequence[Update]]] = [
         (group, [(state, batch, valid)]) for group, state in zip(groups, acc.overall)]
-    blocks = _blocks(config)
-    if config.group_by is not None or blocks:
-        if blocks:
+    if _keyed(config):
+        if blocks := _blocks(config):
             keys = block_keys(batch, blocks)
         elif coded_group_by(config.group_by):
             keys = cast(Tensor, batch.group_key)  # the reader fills it for a coded --group-by column
@@ -219,7 +218,7 @@ def _update_batch(
         parts = _key_parts(acc, keyed, batch, keys, config, device)
         # One task per keyed group runs every key of the batch: a task per key and group would cost more in
         # hand-overs between threads than the few hundred small ops of a key's update.
-        tasks += [(group, [(states[slot], part, part.valid()) for states, part in parts])
+        tasks += [(group, [(states[slot], part, valid) for states, part, valid in parts])
                   for slot, group in enumerate(keyed)]
     runner.update(tasks, config, batch.n_tokens)
 
@@ -227,8 +226,8 @@ def _update_batch(
 def _key_parts(
     acc: Accumulator, keyed: Sequence[MetricGroup], batch: TokenBatch, keys: Tensor, config: StreamConfig,
     device: torch.device,
-) -> list[tuple[list[MetricState], TokenBatch]]:
-    """Each key's states (created at its first sequence) and sub-batch, in key order."""
+) -> list[tuple[list[MetricState], TokenBatch, TokenBatch]]:
+    """Each key's states (created at its first sequence), sub-batch and its valid view, in key order."""
     # One gather puts each key's sequences together (none when the dump is written key by key, as steps are); every
     # key's sub-batch is then a run of views, and its valid view a run of the sorted batch's.
     if bool((keys[1:] < keys[:-1]).any()):
@@ -242,9 +241,15 @@ def _key_parts(
             if len(acc.by_key) >= config.max_groups:
                 raise UsageError(f"--group-by {config.group_by}: more than {config.max_groups} distinct values")
             acc.by_key[key] = [group.init_state(config, device) for group in keyed]
-        parts.append((acc.by_key[key], batch.sequence_range(start, start + count)))
+        part = batch.sequence_range(start, start + count)
+        parts.append((acc.by_key[key], part, part.valid()))
         start += count
     return parts
+
+
+def _keyed(config: StreamConfig) -> bool:
+    """Whether states are also kept per key: per ``--group-by`` value or per hash block."""
+    return config.group_by is not None or bool(_blocks(config))
 
 
 def _blocks(config: StreamConfig) -> int:
