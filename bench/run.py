@@ -5,6 +5,7 @@
     python bench/run.py --workers 1,2 --row-group-tokens 2e6 --only decode,analyze   # --workers sweep
     python bench/run.py --tokens 2e8 --only decode,analyze,compare-prox --device cuda --batch-tokens 4194304
     python bench/run.py --only decode,analyze,analyze-1core,analyze-step,check-step --baseline /path/to/old/checkout
+    python bench/run.py --seqs-per-step 17 --only analyze,analyze-step,check-step   # steps in runs, as trainers write
 
 The contenders: ``decode`` (the floor), ``pandas`` (a hand-written 6-figure script), ``analyze`` (findings on, every
 core), ``analyze-nofindings``, ``analyze-1core`` (pinned to one core), ``analyze-step`` (``--group-by step``),
@@ -14,7 +15,8 @@ rounds, so "before" and "after" see the same machine at the same time.
 
 Writes a synthetic schema-v1 dump (sequence-per-row, pyarrow's default writer settings, lengths 600–1800, every
 column) once under ``bench/out/``, in chunks of ``--row-group-tokens`` (each chunk is one row group, so memory stays
-flat however large the dump), then times each contender in its own subprocess (so peak RSS is per contender)
+flat however large the dump; ``--seqs-per-step N`` writes the steps in runs of N sequences instead of interleaved
+through the file), then times each contender in its own subprocess (so peak RSS is per contender)
 alternating between them, and prints the median wall time, tokens/s and peak RSS, and the ratios analyze/decode and
 pandas/analyze. Arguments it does not know (``--device cuda``, ``--batch-tokens N``) go to analyze and compare-prox.
 Interpreter start-up and imports are excluded from every contender's time (torch's import is about a second).
@@ -38,8 +40,14 @@ OUT = Path(__file__).resolve().parent / "out"
 CHUNK_SEQUENCES_MAX = 1 << 20  # pyarrow's default max rows per row group: a chunk must stay below it
 
 
-def write_dump(path: Path, n_tokens: int, *, row_group_tokens: int, seed: int = 0) -> int:
-    """A synthetic dump with plausible values, written chunk by chunk; returns the exact token count."""
+def write_dump(path: Path, n_tokens: int, *, row_group_tokens: int, seed: int = 0,
+               seqs_per_step: int | None = None) -> int:
+    """A synthetic dump with plausible values, written chunk by chunk; returns the exact token count.
+
+    Each sequence's step (= current version) is drawn from 4 … 999 at random, so about a thousand steps are
+    interleaved through the file; with ``seqs_per_step`` the steps come in runs of that many sequences instead, in
+    order, as a trainer writes them step by step.
+    """
     import numpy as np
     import pyarrow.parquet as pq
 
@@ -57,7 +65,7 @@ def write_dump(path: Path, n_tokens: int, *, row_group_tokens: int, seed: int = 
             length = int(rng.integers(600, 1801))
             lengths.append(length)
             chunk += length
-        table = _chunk_table(rng, np.asarray(lengths, dtype=np.int64), first_seq)
+        table = _chunk_table(rng, np.asarray(lengths, dtype=np.int64), first_seq, seqs_per_step)
         if writer is None:
             writer = pq.ParquetWriter(tmp, table.schema)  # pyarrow's default writer settings, on purpose
         writer.write_table(table)
@@ -69,7 +77,7 @@ def write_dump(path: Path, n_tokens: int, *, row_group_tokens: int, seed: int = 
     return total
 
 
-def _chunk_table(rng, lengths, first_seq: int):  # type: ignore[no-untyped-def]
+def _chunk_table(rng, lengths, first_seq: int, seqs_per_step: int | None):  # type: ignore[no-untyped-def]
     import numpy as np
     import pyarrow as pa
 
@@ -88,8 +96,10 @@ def _chunk_table(rng, lengths, first_seq: int):  # type: ignore[no-untyped-def]
     entropy = rng.gamma(2.0, 0.5, total).astype(np.float32)
     current = rng.integers(4, 1000, n_seq)
     lag = rng.integers(0, 5, n_seq)
-    versions = np.where(is_response, np.repeat(current - lag, lengths), -1).astype(np.int32)
     seq_ids = first_seq + np.arange(n_seq)
+    if seqs_per_step is not None:
+        current = 4 + seq_ids // seqs_per_step  # drawn above all the same, so the other columns stay as they were
+    versions = np.where(is_response, np.repeat(current - lag, lengths), -1).astype(np.int32)
 
     def listed(values: np.ndarray) -> pa.Array:
         return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
@@ -344,6 +354,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=float, default=20e6, help="tokens in the synthetic dump (default 20M)")
     parser.add_argument("--row-group-tokens", type=float, default=20e6,
                         help="tokens per written chunk = row group (default 20M: one row group for the 20M dump)")
+    parser.add_argument("--seqs-per-step", type=int, default=None,
+                        help="steps in runs of this many sequences, as a trainer writes them (default: about a "
+                             "thousand steps interleaved through the file)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; the median is reported")
     parser.add_argument("--only", default="decode,pandas,analyze,compare-prox", help="comma-separated contenders")
     parser.add_argument("--workers", default=None,
@@ -365,6 +378,7 @@ def main() -> None:
         n_tokens = sum(md.row_group(rg).column(leaf).num_values for rg in range(md.num_row_groups))
     else:
         suffix = "" if args.row_group_tokens == 20e6 else f"-rg{int(args.row_group_tokens)}"
+        suffix += "" if args.seqs_per_step is None else f"-steps{args.seqs_per_step}"
         path = OUT / f"synthetic-{int(args.tokens)}{suffix}.parquet"
         meta = path.with_suffix(".json")
         if path.exists() and meta.exists():
@@ -375,11 +389,12 @@ def main() -> None:
             # dump must not inflate every contender's figure.
             code = (
                 "import json, sys; sys.path.insert(0, sys.argv[1]); import run; from pathlib import Path; "
-                "print(run.write_dump(Path(sys.argv[2]), int(sys.argv[3]), row_group_tokens=int(sys.argv[4])))"
+                "print(run.write_dump(Path(sys.argv[2]), int(sys.argv[3]), row_group_tokens=int(sys.argv[4]), "
+                "seqs_per_step=json.loads(sys.argv[5])))"
             )
             out = subprocess.run(
                 [sys.executable, "-c", code, str(Path(__file__).parent), str(path), str(int(args.tokens)),
-                 str(int(args.row_group_tokens))],
+                 str(int(args.row_group_tokens)), json.dumps(args.seqs_per_step)],
                 capture_output=True, text=True, check=True,
             )
             n_tokens = int(out.stdout.strip())

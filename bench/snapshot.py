@@ -4,8 +4,9 @@
     python bench/snapshot.py write /tmp/after             # after
     python bench/snapshot.py diff /tmp/before /tmp/after  # exit 1 and a unified diff when any output changed
 
-Inputs: the bundled sample, a 2 M-token synthetic dump (``bench/run.py``'s writer, with a few steps and groups),
-and dumps written by the test helpers (a response-only dump, a dump with invalid rows for ``--on-invalid skip``).
+Inputs: the bundled sample, a 2 M-token synthetic dump (``bench/run.py``'s writer: about a thousand steps
+interleaved), a 1 M-token one with its steps in runs (``--seqs-per-step``), and dumps written by the test helpers
+(a response-only dump, a dump with invalid rows for ``--on-invalid skip``).
 Each command runs in-process through ``grpo_cli.cli.main`` (stdout, stderr and the exit code are recorded; files
 it writes are recorded too). Tables are rendered at the non-terminal width, so the bytes are stable.
 """
@@ -32,12 +33,16 @@ def _inputs(work: Path) -> dict[str, str]:
     import torch
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from run import write_dump  # type: ignore[import-not-found]  # bench/run.py, a script beside this one
+    from run import STEP_RULES, write_dump  # type: ignore[import-not-found]  # bench/run.py, a script beside this one
 
     from grpo_cli.io import RolloutWriter
 
     bench = work / "bench.parquet"
     write_dump(bench, 2_000_000, row_group_tokens=500_000)
+    runs = work / "runs.parquet"  # steps in runs, as a trainer writes them
+    write_dump(runs, 1_000_000, row_group_tokens=250_000, seqs_per_step=5)
+    step_rules = work / "step_rules.toml"
+    step_rules.write_text(STEP_RULES, encoding="utf-8")
 
     rng = np.random.default_rng(7)
     response_only = work / "response_only"
@@ -59,7 +64,8 @@ def _inputs(work: Path) -> dict[str, str]:
     writer.add(step=0, new_logp=new, old_logp=[x - 0.01 for x in new],
                loss_mask=[torch.ones(len(x), dtype=torch.bool) for x in new], advantages=torch.tensor([1.0, -1.0, 0.5]))
     writer.close()
-    return {"sample": SAMPLE, "bench": str(bench), "response_only": str(response_only), "invalid": str(invalid)}
+    return {"sample": SAMPLE, "bench": str(bench), "runs": str(runs), "step_rules": str(step_rules),
+            "response_only": str(response_only), "invalid": str(invalid)}
 
 
 def _commands(inputs: dict[str, str], out: Path) -> dict[str, list[str]]:
@@ -79,6 +85,8 @@ def _commands(inputs: dict[str, str], out: Path) -> dict[str, list[str]]:
         "analyze_sample_loss_json": ["analyze", s, "-f", "json", "--loss", "grpo,ppo", "--beta", "0.04"],
         "analyze_bench_json": ["analyze", b, "-f", "json", "--workers", "2"],
         "analyze_bench_step_json": ["analyze", b, "-f", "json", "--group-by", "step", "--workers", "1"],
+        "analyze_runs_step_json": ["analyze", inputs["runs"], "-f", "json", "--group-by", "step", "--workers", "2"],
+        "check_bench_step_json": ["check", b, "--rules", inputs["step_rules"], "-f", "json", "--workers", "1"],
         "analyze_response_only_json": ["analyze", r, "-f", "json", "--group-by", "group_id"],
         "analyze_invalid_skip_json": ["analyze", v, "-f", "json", "--on-invalid", "skip"],
         "analyze_invalid_error": ["analyze", v],
