@@ -16,7 +16,16 @@ import pytest
 from simulate import fault_config, simulate
 
 from grpo_cli.commands.analyze import analyze
-from grpo_cli.commands.check import analyze_config, check_groups, load_rules, parse_rules, preset, run_check
+from grpo_cli.commands.check import (
+    analyze_config,
+    check_groups,
+    grouped_by,
+    load_rules,
+    parse_rules,
+    preset,
+    run_check,
+)
+from grpo_cli.engine.group import per_key
 from grpo_cli.findings import DetectConfig, detector_inputs
 from grpo_cli.findings._base import _Ctx
 from grpo_cli.findings.detect import DETECTORS
@@ -119,6 +128,23 @@ def test_check_groups_runs_only_what_is_named():
     assert diagnosis == ["diag/groups"]  # GRP304 grades its fraction by the number of groups
     everything = check_groups([], select=None)
     assert len(everything[1]) == 8 and len(everything[0]) < len(default_groups())
+
+
+def test_only_the_groups_of_per_rules_run_per_value():
+    """A ``per`` rule's pass runs per value only the groups its metrics come from (validation, counts and policy
+    always); the others, there for overall rules and the detectors, run over the whole dump only. That per-value
+    figures stay the same bits is checked above: every rule result equals the run computing everything per step."""
+    rule_set = parse_rules('[[rule]]\nmetric = "staleness/theta_mean"\nmax = 9\n'
+                           '[[rule]]\nmetric = "is/ess"\nmin = 0.1\nper = "step"\n'
+                           '[[rule]]\nmetric = "n_valid_tokens"\nmin = 1\nper = "group_id"\n')
+    groups, _ = check_groups(rule_set.rules, select=[])
+    assert [g.name for g in groups] == ["invalid", "counts", "policy", "importance", "staleness"]
+    assert [g.name for g in per_key(grouped_by(groups, rule_set.rules, "step"))] == [
+        "invalid", "counts", "policy", "importance"]
+    assert [g.name for g in per_key(grouped_by(groups, rule_set.rules, "group_id"))] == ["invalid", "counts", "policy"]
+    assert [g.name for g in grouped_by(groups, rule_set.rules, "step")] == [g.name for g in groups]  # all overall
+    assert per_key(groups) == groups  # the copies leave check_groups' own groups as they were
+    assert grouped_by(None, rule_set.rules, "step") is None  # --save-baseline: every group, per value too
 
 
 class _Recording(dict):  # type: ignore[type-arg]

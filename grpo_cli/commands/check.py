@@ -59,7 +59,7 @@ from grpo_cli.commands._check_rules import (
     sanity_figures,
     valid_input_rule,
 )
-from grpo_cli.engine.group import MetricGroup
+from grpo_cli.engine.group import MetricGroup, overall_only
 from grpo_cli.engine.validate import ValidationGroup
 from grpo_cli.errors import EXIT_CHECK_FAILED, EXIT_OK, InputError, UsageError
 from grpo_cli.findings import DetectConfig, detector_inputs, selected_codes
@@ -92,6 +92,7 @@ __all__ = [
     "analyze_config",
     "check_groups",
     "dump_baseline",
+    "grouped_by",
     "is_json_baseline",
     "evaluate_rule",
     "fmt",
@@ -254,14 +255,29 @@ def check_groups(
     """
     every = default_groups()
     keys, diagnosis = detector_inputs(selected_codes(select, ignore))
-    declared = [figure.key for group in every for figure in group.figures]
-    # Keys no analyze group declares (check's sanity/*, compare-prox's prox/*) name no group; the rules on them are
-    # evaluated (or refused) as before.
-    patterns = [p for p in [*(r.metric for r in rules), *keys] if any(fnmatch.fnmatchcase(k, p) for k in declared)]
+    patterns = _declared(every, [*(r.metric for r in rules), *keys])
     read = frozenset().union(*(group.columns() for group in [*every, *diagnosis_groups()]))
     chosen = [_ValidationOfEveryColumn(read) if isinstance(group, ValidationGroup) else group
               for group in select_groups(every, list(dict.fromkeys(patterns)))]
     return chosen, diagnosis
+
+
+def grouped_by(groups: list[MetricGroup] | None, rules: Sequence[Rule], column: str) -> list[MetricGroup] | None:
+    """``groups`` for the pass grouped by ``column``: the groups of the metrics its ``per = column`` rules read run
+    per value too, every other one over the whole dump only (:func:`~grpo_cli.engine.group.overall_only`: its
+    per-value figures would never be read). ``None`` (every group, for ``--save-baseline``) stays ``None``."""
+    if groups is None:
+        return None
+    patterns = _declared(groups, [r.metric for r in rules if r.per == column])
+    per_value = {group.name for group in select_groups(groups, list(dict.fromkeys(patterns)))}
+    return [group if group.name in per_value else overall_only(group) for group in groups]
+
+
+def _declared(groups: Sequence[MetricGroup], patterns: Sequence[str]) -> list[str]:
+    # Keys no analyze group declares (check's sanity/*, compare-prox's prox/*) name no group; the rules on them are
+    # evaluated (or refused) as before.
+    declared = [figure.key for group in groups for figure in group.figures]
+    return [p for p in patterns if any(fnmatch.fnmatchcase(k, p) for k in declared)]
 
 
 def dump_baseline(
@@ -351,13 +367,15 @@ def run_check(
     per_columns = list(dict.fromkeys(r.per for r in rules if r.per is not None))
     # One pass per grouping column; the first also gives the overall figures.
     metric_groups, diagnosis = check_groups(rules, select, ignore) if not all_figures else (None, None)
-    first = analyze(dataset, replace(config, group_by=per_columns[0] if per_columns else None), groups=metric_groups,
+    first = analyze(dataset, replace(config, group_by=per_columns[0] if per_columns else None),
+                    groups=grouped_by(metric_groups, rules, per_columns[0]) if per_columns else metric_groups,
                     progress=progress, findings=findings or DetectConfig(), diagnosis=diagnosis)
     groups: dict[str, list[dict[str, Any]]] = {}
     if per_columns:
         groups[per_columns[0]] = first.groups
     for column in per_columns[1:]:
-        groups[column] = analyze(dataset, replace(config, group_by=column), groups=metric_groups).groups
+        groups[column] = analyze(dataset, replace(config, group_by=column),
+                                 groups=grouped_by(metric_groups, rules, column)).groups
     # analyze() has already refused (exit 2) a dump with no rows, no valid token or every sequence invalid.
     metrics, omitted = dict(first.metrics), dict(first.omitted)
     metrics.update(sanity_figures(metrics))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +14,7 @@ from grpo_cli.core.batch import TokenBatch
 from grpo_cli.core.state import MetricState
 from grpo_cli.engine.figures import Figure, omitted_reasons
 
-__all__ = ["Accumulator", "MetricGroup", "per_key"]
+__all__ = ["Accumulator", "MetricGroup", "overall_only", "per_key"]
 
 
 class MetricGroup:
@@ -28,6 +29,9 @@ class MetricGroup:
     findings_only: bool = False
     """True for groups whose values are evidence for the findings layer, never reported as metrics; they run over
     the whole dump only, not per ``--group-by`` value."""
+    keyed: bool = True
+    """False for a group whose figures a command reads for the whole dump only (:func:`overall_only`): it does not
+    run per ``--group-by`` value either."""
     figures: tuple[Figure, ...] = ()
     """Every figure the group can report, declared once (:class:`~grpo_cli.engine.figures.Figure`)."""
 
@@ -88,5 +92,13 @@ class Accumulator:
 
 
 def per_key(groups: Sequence[MetricGroup]) -> list[MetricGroup]:
-    """The groups that also run per ``--group-by`` value (all but the findings-only ones)."""
-    return [group for group in groups if not group.findings_only]
+    """The groups that also run per ``--group-by`` value (all but the findings-only and :func:`overall_only` ones)."""
+    return [group for group in groups if group.keyed and not group.findings_only]
+
+
+def overall_only(group: MetricGroup) -> MetricGroup:
+    """A copy of ``group`` that runs over the whole dump only, not per ``--group-by`` value: for a command that
+    reads some groups' figures per value and the others' only overall (``check``'s ``per`` rules)."""
+    alone = copy.copy(group)
+    alone.keyed = False
+    return alone
