@@ -86,7 +86,7 @@ def _commands(inputs: dict[str, str], out: Path) -> dict[str, list[str]]:
         "analyze_bench_json": ["analyze", b, "-f", "json", "--workers", "2"],
         "analyze_bench_step_json": ["analyze", b, "-f", "json", "--group-by", "step", "--workers", "1"],
         "analyze_runs_step_json": ["analyze", inputs["runs"], "-f", "json", "--group-by", "step", "--workers", "2"],
-        "check_bench_step_json": ["check", b, "--rules", inputs["step_rules"], "-f", "json", "--workers", "1"],
+        "check_bench_step_json": ["check", b, "--rules", inputs["step_rules"], "-f", "json"],
         "analyze_response_only_json": ["analyze", r, "-f", "json", "--group-by", "group_id"],
         "analyze_invalid_skip_json": ["analyze", v, "-f", "json", "--on-invalid", "skip"],
         "analyze_invalid_error": ["analyze", v],
