@@ -104,6 +104,23 @@ def test_compare_prox_workers_gives_the_same_bytes(capsys, dump):
     assert two == one
 
 
+def test_check_and_report_workers_give_the_same_bytes(capsys, dump, tmp_path):
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[rule]]\nmetric = "kl/k3"\nmax = 0.01\nper = "step"\n'
+                     '[[rule]]\nmetric = "clip/ratio"\nmax = 1\n'
+                     '[[rule]]\nmetric = "prox/loglinear/abs_error_mean"\nmax = 1\n')
+    outputs = []
+    for workers in (1, 3):
+        code, out, err = run(capsys, "check", dump, "--rules", rules, "-f", "json", "--batch-tokens", BATCH,
+                             "--workers", workers)
+        assert code == 1, err  # the per-step KL bound fails at some step: the per-value pass ran
+        report = tmp_path / f"report{workers}.html"
+        assert run(capsys, "report", dump, "-o", report, "-q", "--batch-tokens", BATCH, "--workers", workers)[0] == 0
+        outputs.append((out, report.read_text()))
+    assert outputs[1] == outputs[0]
+    assert json.loads(outputs[0][0])["rules"][-3]["per"] == "step"
+
+
 @pytest.mark.all_cores
 def test_several_files_and_default_workers(capsys, tmp_path):
     for i in range(3):

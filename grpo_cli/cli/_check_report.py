@@ -24,11 +24,13 @@ from grpo_cli.cli._options import (
     PresetOpt,
     ProxApproximationOpt,
     QuietOpt,
+    WorkersOpt,
     check_device,
     emit,
     metadata_defaults,
     one_of,
     open_input,
+    resolve_workers,
     streaming,
     warn_skipped,
     with_options,
@@ -92,6 +94,7 @@ def check(
     column_map: MapOpt = None,
     preset: PresetOpt = None,
     quiet: QuietOpt = False,
+    workers: WorkersOpt = None,
     executor: ExecutorOpt = "local",
     select: Annotated[
         list[str] | None,
@@ -162,7 +165,8 @@ def check(
                            require_valid_input=require_valid, progress=progress,
                            findings=DetectConfig(max_staleness=max_staleness, prox_approximation=prox_approximation),
                            select=select or None, ignore=ignore or (), all_figures=save_baseline is not None,
-                           baseline_dump=base_dump, baseline_config=base_config)
+                           baseline_dump=base_dump, baseline_config=base_config,
+                           workers=resolve_workers(workers, config.device))
     elapsed = time.perf_counter() - started
     if from_metadata:
         report.config["from_metadata"] = from_metadata
@@ -234,6 +238,7 @@ def report(
                      "same options and drawn dashed on every trend chart (docs/diff.md)."),
     ] = None,
     quiet: QuietOpt = False,
+    workers: WorkersOpt = None,
     executor: ExecutorOpt = "local",
 ) -> None:
     """One self-contained offline HTML page: per-step trends, distributions, staleness, compare-prox and the
@@ -277,7 +282,8 @@ def report(
         base_config = with_options(plain_config, base_found)
     with streaming(dataset, quiet, executor) as progress:
         result = build_report(dataset, rule_sets, analyze_config, prox_config, require_valid=require_valid,
-                              progress=progress, preset=preset, baseline=baseline, baseline_config=base_config)
+                              progress=progress, preset=preset, baseline=baseline, baseline_config=base_config,
+                              workers=resolve_workers(workers, analyze_config.device))
     if from_metadata:
         result.analysis.config["from_metadata"] = from_metadata
     if result.baseline is not None and base_metadata:

@@ -212,7 +212,7 @@ def validate_rules(
 
 
 def _prox_figures(
-    dataset: RolloutDataset, rules: Sequence[Rule], rule_set: RuleSet, config: AnalyzeConfig
+    dataset: RolloutDataset, rules: Sequence[Rule], rule_set: RuleSet, config: AnalyzeConfig, workers: int
 ) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
     """Run ``compare-prox`` for the methods the ``prox/…`` rules name (figures, omitted reasons, its config)."""
     module = _compare_prox_module()
@@ -225,7 +225,7 @@ def _prox_figures(
     except InputError as exc:
         # A missing column: every prox key "cannot be computed", with compare-prox's reason.
         return {}, dict.fromkeys(module.expected_keys(prox_config), exc.reason), prox_config.to_json()
-    result = module.compare_prox(dataset, prox_config)
+    result = module.compare_prox(dataset, prox_config, workers=workers)
     metrics = {k: v for k, v in result.metrics.items() if k.startswith("prox/")}
     omitted = {k: v for k, v in result.omitted.items() if k.startswith("prox/")}
     return metrics, omitted, result.config
@@ -288,6 +288,7 @@ def dump_baseline(
     metrics: Mapping[str, Any],
     z: float | None = None,
     base_config: AnalyzeConfig | None = None,
+    workers: int = 1,
 ) -> Baseline:
     """A baseline measured from a rollout dump, with each baseline-relative rule's change interval.
 
@@ -297,7 +298,7 @@ def dump_baseline(
     :data:`~grpo_cli.commands.diff.DEFAULT_Z`). Figures without an interval (extremes, quantiles, constants) are
     compared as fixed margins. ``metrics`` are this run's figures from the main pass (the values the rules test).
     ``base_config`` (default ``config``) measures the baseline run, as ``diff`` measures each run with its own
-    options.
+    options; ``workers`` as in :func:`run_check`.
     """
     from grpo_cli.commands.diff import DEFAULT_Z, DiffConfig, change_interval, measure
 
@@ -308,8 +309,9 @@ def dump_baseline(
                           z=z or DEFAULT_Z)
 
     options = diff_config(config)
-    base_run = measure(base, options if base_config is None else diff_config(base_config), "baseline", groups=groups)
-    new_run = measure(dataset, options, "new", groups=groups)
+    base_run = measure(base, options if base_config is None else diff_config(base_config), "baseline", groups=groups,
+                       workers=workers)
+    new_run = measure(dataset, options, "new", groups=groups, workers=workers)
     base_metrics = dict(base_run.result.metrics)
     base_metrics.update(sanity_figures(base_metrics))
     intervals: dict[str, tuple[float, float]] = {}
@@ -341,6 +343,7 @@ def run_check(
     all_figures: bool = False,
     baseline_dump: RolloutDataset | None = None,
     baseline_config: AnalyzeConfig | None = None,
+    workers: int = 1,
 ) -> CheckReport:
     """Compute the figures the rules need, evaluate every rule and run the detectors as built-in rules.
 
@@ -353,7 +356,8 @@ def run_check(
     the same rule results and findings as computing everything; ``all_figures`` (``--save-baseline``) computes every
     figure. ``baseline_dump`` (instead of ``baseline``) is a baseline run's rollout dump: the baseline-relative
     bounds then fail only when the change is beyond noise (:func:`dump_baseline`); ``baseline_config`` (default
-    ``config``) is the options that run is measured with.
+    ``config``) is the options that run is measured with. ``workers`` (processes and threads, as ``analyze
+    --workers``) changes no result.
 
     Raises:
         UsageError: unknown metrics, bad ``per`` columns, missing baseline values, rules on metrics the dump cannot
@@ -369,13 +373,13 @@ def run_check(
     metric_groups, diagnosis = check_groups(rules, select, ignore) if not all_figures else (None, None)
     first = analyze(dataset, replace(config, group_by=per_columns[0] if per_columns else None),
                     groups=grouped_by(metric_groups, rules, per_columns[0]) if per_columns else metric_groups,
-                    progress=progress, findings=findings or DetectConfig(), diagnosis=diagnosis)
+                    progress=progress, workers=workers, findings=findings or DetectConfig(), diagnosis=diagnosis)
     groups: dict[str, list[dict[str, Any]]] = {}
     if per_columns:
         groups[per_columns[0]] = first.groups
     for column in per_columns[1:]:
         groups[column] = analyze(dataset, replace(config, group_by=column),
-                                 groups=grouped_by(metric_groups, rules, column)).groups
+                                 groups=grouped_by(metric_groups, rules, column), workers=workers).groups
     # analyze() has already refused (exit 2) a dump with no rows, no valid token or every sequence invalid.
     metrics, omitted = dict(first.metrics), dict(first.omitted)
     metrics.update(sanity_figures(metrics))
@@ -386,13 +390,14 @@ def run_check(
     report_config.pop("top_k", None)
     prox_rules = [r for r in rules if r.is_prox]
     if prox_rules:
-        prox_metrics, prox_omitted, prox_config = _prox_figures(dataset, prox_rules, rule_set, config)
+        prox_metrics, prox_omitted, prox_config = _prox_figures(dataset, prox_rules, rule_set, config, workers)
         metrics.update(prox_metrics)
         omitted.update(prox_omitted)
         report_config["compare_prox"] = prox_config
 
     if baseline_dump is not None and any(r.needs_baseline for r in rules):
-        baseline = dump_baseline(baseline_dump, dataset, rules, config, metrics, base_config=baseline_config)
+        baseline = dump_baseline(baseline_dump, dataset, rules, config, metrics, base_config=baseline_config,
+                                 workers=workers)
     results = evaluate_rules(rules, metrics, groups, baseline, omitted)
     chosen = select_findings(first.findings, select, ignore)
     results = finding_results(chosen) + results

@@ -189,11 +189,13 @@ def build_report(
     findings: DetectConfig | None = None,
     baseline: RolloutDataset | None = None,
     baseline_config: AnalyzeConfig | None = None,
+    workers: int = 1,
 ) -> Report:
     """Run the passes a report needs and evaluate every rule set on their figures.
 
     ``baseline`` (``report --compare``) is another run analysed with ``baseline_config`` (default: the same
-    options); its per-step figures are drawn on every trend chart.
+    options); its per-step figures are drawn on every trend chart. ``workers`` (processes and threads, as
+    ``analyze --workers``) changes no figure.
 
     Raises:
         UsageError, InputError: as ``analyze`` / ``check`` (exit 2).
@@ -203,7 +205,7 @@ def build_report(
 
     group_by = TREND_GROUP_BY if TREND_GROUP_BY in dataset.columns else None
     unavailable = None if group_by else f"the dump has no '{TREND_GROUP_BY}' column (per-step trends need it)"
-    analysis = analyze(dataset, replace(analyze_config, group_by=group_by), progress=progress,
+    analysis = analyze(dataset, replace(analyze_config, group_by=group_by), progress=progress, workers=workers,
                        findings=findings or DetectConfig())
 
     prox: CompareProxResult | None = None
@@ -215,12 +217,12 @@ def build_report(
         prox_unavailable = exc.reason
         prox_omitted = dict.fromkeys(expected_keys(prox_config), exc.reason)
     else:
-        prox = compare_prox(dataset, prox_config)
+        prox = compare_prox(dataset, prox_config, workers=workers)
 
     # Rules grouped by a column other than the trends' need that grouping (one pass per column, as check).
     per_columns = {r.per for _, rs in rule_sets for r in rs.rules if r.per is not None and r.per != group_by}
     extra_groups = {
-        column: analyze(dataset, replace(analyze_config, group_by=column, top_k=0)).groups
+        column: analyze(dataset, replace(analyze_config, group_by=column, top_k=0), workers=workers).groups
         for column in sorted(per_columns)
         if column in dataset.columns  # otherwise evaluate_checks reports the rule's missing column
     }
@@ -235,7 +237,7 @@ def build_report(
         # on the charts are the same figures.
         base_group_by = TREND_GROUP_BY if TREND_GROUP_BY in baseline.columns else None
         base_analysis = analyze(baseline, replace(baseline_config or analyze_config, group_by=base_group_by,
-                                                  top_k=0))
+                                                  top_k=0), workers=workers)
     return Report(
         analysis=analysis,
         baseline=base_analysis,
