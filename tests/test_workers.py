@@ -14,10 +14,13 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 from reference import random_sequences, write_sequences
 
 from grpo_cli.cli import main
 from grpo_cli.commands.analyze import analyze
+from grpo_cli.core.state import Reduce, StateSpec
+from grpo_cli.engine.group import Accumulator
 from grpo_cli.engine.parallel import (
     MAX_COMPUTE_THREADS,
     UNIT_BATCHES,
@@ -171,6 +174,29 @@ def test_a_validation_error_while_metric_threads_run_is_the_same_line(capsys, tm
     assert code1 == code3 == 2
     assert out1 == out3 == ""
     assert err3 == err1 and "row 41" in err1 and err1.count("\n") == 1
+
+
+def test_an_accumulator_travels_between_processes_bit_for_bit(dump):
+    config = AnalyzeConfig(batch_tokens=BATCH, group_by="step")
+    acc = accumulate_states(RolloutDataset([dump]), config, default_groups())
+    odd = StateSpec((2,), torch.bfloat16, Reduce.SUM)  # a dtype numpy lacks: pickled as torch pickles it
+    acc.overall[0].specs["odd"], acc.overall[0].values["odd"] = odd, torch.tensor([1.5, -2.25], dtype=torch.bfloat16)
+    back = Accumulator.loads(acc.dumps())
+    assert back.by_key.keys() == acc.by_key.keys() and len(acc.by_key) == 8
+    pairs = [*zip(acc.overall, back.overall)]
+    pairs += [pair for key in acc.by_key for pair in zip(acc.by_key[key], back.by_key[key])]
+    for mine, theirs in pairs:
+        assert type(theirs) is type(mine) and theirs.specs == mine.specs
+        assert mine.values.keys() == theirs.values.keys()
+        for name, value in mine.values.items():
+            # the same dtype, shape and values (NaN where NaN: the padding of top-k tables), to the last bit
+            torch.testing.assert_close(theirs.values[name], value, rtol=0, atol=0, equal_nan=True, msg=name)
+    # Keys new to an accumulator are copied by default and taken (the same objects) with take=True.
+    first = Accumulator([s.clone() for s in acc.overall], {})
+    first.merge_(back)
+    assert all(a is not b for a, b in zip(first.by_key[0], back.by_key[0]))
+    again = Accumulator([s.clone() for s in acc.overall], {}).merge_(back, take=True)
+    assert all(a is b for a, b in zip(again.by_key[0], back.by_key[0]))
 
 
 def test_input_error_keeps_its_location_through_pickle():

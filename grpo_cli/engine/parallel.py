@@ -297,8 +297,8 @@ def _run_unit(index: int) -> bytes:
         _JOB["dataset"], _JOB["config"], _JOB["groups"], shards=_JOB["units"][index], progress=advance,
         threads=_JOB["threads"],
     )
-    # Plain pickling, not torch's shared-memory reductions: many tiny state tensors would each cost a file descriptor.
-    return pickle.dumps(acc.to(torch.device("cpu")))
+    # Pickled bytes, not torch's shared-memory reductions: many tiny state tensors would each cost a file descriptor.
+    return acc.dumps()
 
 
 def _context(device: torch.device, remote: bool = False) -> mp.context.BaseContext:
@@ -349,8 +349,8 @@ def _fold_in_pool(
                     break
                 except FuturesTimeout:
                     report()
-            part = pickle.loads(blob).to(device)
-            acc = part if acc is None else acc.merge_(part)
+            part = Accumulator.loads(blob).to(device)
+            acc = part if acc is None else acc.merge_(part, take=True)
             report()
     except BrokenProcessPool:
         raise GrpoCliError(
@@ -386,7 +386,7 @@ def _fold(
     acc: Accumulator | None = None
     for unit in units:
         part = accumulate_states(dataset, config, groups, shards=unit, progress=progress, threads=threads)
-        acc = part if acc is None else acc.merge_(part)
+        acc = part if acc is None else acc.merge_(part, take=True)
     assert acc is not None
     return acc
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -81,7 +80,7 @@ def _unit_task(job: tuple[RolloutDataset, StreamConfig, list[MetricGroup]], unit
     torch.set_num_threads(1)
     try:
         acc = accumulate_states(dataset, config, groups, shards=unit, threads=1)
-        return pickle.dumps(acc.to(torch.device("cpu")))
+        return acc.dumps()
     finally:
         torch.set_num_threads(previous)
 
@@ -143,8 +142,8 @@ def fold_on_ray(
             while submitted < len(units) and submitted < index + window:
                 refs[submitted] = task.remote(job, units[submitted])
                 submitted += 1
-            part = pickle.loads(_result(ray, refs.pop(index))).to(device)
-            acc = part if acc is None else acc.merge_(part)
+            part = Accumulator.loads(_result(ray, refs.pop(index))).to(device)
+            acc = part if acc is None else acc.merge_(part, take=True)
             if progress is not None:
                 progress(sum(shard.n_tokens for shard in unit))
     assert acc is not None
