@@ -60,15 +60,18 @@ def compute_figures(
 
 
 def _figures(
-    columns: frozenset[str], config: Any, groups: Sequence[MetricGroup], states: Sequence[MetricState]
+    columns: frozenset[str], config: Any, groups: Sequence[MetricGroup], states: Sequence[MetricState],
+    omitted_by_group: Sequence[dict[str, str]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
+    # omitted_by_group: each group's omitted(columns, config), when the caller computes it once for many keys
+    if omitted_by_group is None:
+        omitted_by_group = [group.omitted(columns, config) for group in groups]
     metrics: dict[str, Any] = {}
     omitted: dict[str, str] = {}
-    for group, state in zip(groups, states):
+    for group, state, reasons in zip(groups, states, omitted_by_group):
         if group.findings_only:
             continue
         figures = group.compute(state, config)
-        reasons = group.omitted(columns, config)
         metrics.update({k: v for k, v in figures.items() if k not in reasons})
         omitted.update(reasons)
     if metrics.get("n_valid_tokens", 0) == 0:
@@ -90,10 +93,11 @@ def finalize(
     keyed = per_key(groups)
     # A coded --group-by column (strings, …) reports each code's value; codes sort like the values.
     values = dataset.group_values(config.group_by) if coded_group_by(getattr(config, "group_by", None)) else None
+    reasons = [group.omitted(dataset.columns, config) for group in keyed]  # the same for every key
     with _one_cpu_thread():
         by_key = [
             {"key": key if values is None else values[int(key)],
-             "metrics": _without_skip_counts(_figures(dataset.columns, config, keyed, acc.by_key[key])[0])}
+             "metrics": _without_skip_counts(_figures(dataset.columns, config, keyed, acc.by_key[key], reasons)[0])}
             for key in sorted(acc.by_key)
         ]
     return AnalysisResult(
