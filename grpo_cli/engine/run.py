@@ -64,13 +64,12 @@ def _figures(
     omitted_by_group: Sequence[dict[str, str]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     # omitted_by_group: each group's omitted(columns, config), when the caller computes it once for many keys
-    if omitted_by_group is None:
-        omitted_by_group = [group.omitted(columns, config) for group in groups]
     metrics: dict[str, Any] = {}
     omitted: dict[str, str] = {}
-    for group, state, reasons in zip(groups, states, omitted_by_group):
+    for i, (group, state) in enumerate(zip(groups, states)):
         if group.findings_only:
             continue
+        reasons = group.omitted(columns, config) if omitted_by_group is None else omitted_by_group[i]
         figures = group.compute(state, config)
         metrics.update({k: v for k, v in figures.items() if k not in reasons})
         omitted.update(reasons)
